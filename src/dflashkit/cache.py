@@ -1,0 +1,61 @@
+"""PositionCache: preallocated K/V indexed by absolute position, shared by the target and the drafter.
+
+Slot s of a sequence holds the K/V of its token at absolute position s. Writers put rows at explicit
+positions; readers mask by position. Why this works for speculative decoding without any undo:
+slots below a sequence's committed length are valid; slots above it may hold K/V of rejected drafts
+or prompt padding, but no query ever sees a slot beyond its own position, and every slot between the
+committed length and the query was rewritten by the same forward. Rollback is bookkeeping (the
+engine's per-row `start`), and ragged batches need no per-row cropping.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PositionCache:
+    """Preallocated K/V, one [B, kvh, S, hd] pair per target layer, indexed by absolute position.
+
+    Duck-types the part of transformers' `Cache` API that attention layers call (`update`).
+    """
+
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (batch, num_kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self._rows = torch.arange(batch, device=device)
+        self._write_pos: torch.Tensor | None = None  # [B, Q] set by Target.forward
+        self._kv_len = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # Called by each HF attention layer: key_states [B, kvh, Q, hd] for the tokens at self._write_pos [B, Q].
+        self.write(layer_idx, key_states, value_states, self._write_pos)
+        n = self._kv_len
+        return self.keys[layer_idx][:, :, :n], self.values[layer_idx][:, :, :n]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (a finished sequence leaves the batch)."""
+        self.keys = [k.index_select(0, rows) for k in self.keys]
+        self.values = [v.index_select(0, rows) for v in self.values]
+        self._rows = torch.arange(rows.numel(), device=rows.device)
+
+    # transformers may probe these on a cache object; answer consistently.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._kv_len
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """k, v: [B, kvh, T, hd] rows for absolute `positions` [B, T]."""
+        rows = self._rows[:, None]
+        # Advanced indices (rows, positions) around a slice put the indexed dims first: [B, T, kvh, hd].
+        self.keys[layer_idx][rows, :, positions] = k.transpose(1, 2)
+        self.values[layer_idx][rows, :, positions] = v.transpose(1, 2)

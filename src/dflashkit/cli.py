@@ -1,0 +1,116 @@
+"""`dflashkit` command line. Commands own no logic: they parse flags and call the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .errors import DFlashError
+
+log = logging.getLogger("dflashkit")
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", default=None, help="Z Lab-format drafter directory (default: the bundled drafter)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"])
+
+
+def load_models(args):
+    """(engine, tokenizer, drafter_trained) from the common model flags."""
+    import torch
+
+    from .checkpoint import load_drafter
+    from .engine import DFlashEngine
+    from .loader import load_default_drafter, load_target, parse_dtype
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise DFlashError(f"--device {args.device} but this torch build sees no CUDA device; use --device cpu.")
+    target, tok = load_target(args.target, dtype=args.dtype, device=args.device)
+    if args.drafter:
+        drafter, trained = load_drafter(args.drafter, dtype=parse_dtype(args.dtype), device=args.device), True
+    elif args.target is None:
+        drafter, trained = load_default_drafter(target, tok)
+    else:  # a custom target: the bundled drafter is SmolLM2's, so only --block-size 1 works without --drafter
+        drafter, trained = None, False
+    return DFlashEngine(target, drafter, tokenizer=tok), tok, trained
+
+
+def cmd_generate(args) -> int:
+    from .loader import encode_chat
+    from .sampling import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    if args.block_size is not None and args.block_size < 1:
+        raise DFlashError(f"--block-size must be >= 1 (got {args.block_size}); 1 means plain autoregressive decoding.")
+    engine, tok, trained = load_models(args)
+    ids = encode_chat(tok, args.prompt)
+    runs = {}
+    block_sizes = [args.block_size if args.block_size is not None else engine.block_size]
+    if args.compare and block_sizes[0] != 1:
+        block_sizes.append(1)
+    for b in block_sizes:
+        g = engine.generate([ids], sampling=params, max_new_tokens=args.max_new_tokens, stop=args.stop, block_size=b)[0]
+        runs[b] = g
+    g = runs[block_sizes[0]]
+    stats = g.stats.to_dict()
+    stats["finish_reason"] = g.finish_reason
+    stats["drafter_trained"] = trained
+    if 1 in runs and len(runs) > 1:
+        ar = runs[1]
+        stats["ar_tokens_per_s"] = round(ar.stats.tokens_per_s, 3)
+        stats["speedup_vs_ar"] = round(g.stats.tokens_per_s / ar.stats.tokens_per_s, 3) if ar.stats.tokens_per_s else None
+        stats["identical_to_ar"] = ar.tokens == g.tokens
+    if args.json:
+        print(json.dumps({"text": g.text, "stats": stats}))
+        return 0
+    print(g.text)
+    print()
+    if not trained and block_sizes[0] > 1:
+        print("[note] the drafter is UNTRAINED (initialised from a fixed seed): output is exact, acceptance is near zero.")
+    print(f"[stats] block size {stats['block_size']}, {stats['new_tokens']} tokens, tau {stats['tau']:.2f} tokens/pass, "
+          f"{stats['tokens_per_s']:.1f} tok/s, TTFT {stats['ttft_ms']:.0f} ms")
+    print(f"[stats] cumulative acceptance per position: {[round(x, 2) for x in stats['acceptance']]}")
+    print(f"[stats] accepted-length histogram (1..{stats['block_size']}): {stats['accepted_length_histogram']}")
+    if "ar_tokens_per_s" in stats:
+        print(f"[stats] autoregressive (block size 1, same engine): {stats['ar_tokens_per_s']:.1f} tok/s -> "
+              f"speedup {stats['speedup_vs_ar']}x; identical output: {stats['identical_to_ar']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dflashkit", description="DFlash block-diffusion speculative decoding.")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="answer one prompt (chat template applied)")
+    g.add_argument("--prompt", required=True)
+    _add_model_flags(g)
+    g.add_argument("--block-size", type=int, default=None, help="tokens per block; 1 = autoregressive (default: the drafter's)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--compare", action="store_true", help="also run block size 1 and report the speedup")
+    g.add_argument("--json", action="store_true", help='print one JSON object {"text": ..., "stats": {...}}')
+    g.set_defaults(func=cmd_generate)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="[%(name)s] %(message)s",
+                        stream=sys.stderr)
+    try:
+        return args.func(args)
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

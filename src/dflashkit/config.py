@@ -1,0 +1,159 @@
+"""DFlashConfig: the drafter's architecture plus its DFlash contract, and THE bridge to `config.json`.
+
+The on-disk format is Z Lab's (dflash-spec §6.1): Qwen3 layer fields at the top level plus
+`num_target_layers`, `block_size` (top level in Qwen3/LLaMA checkpoints, inside `dflash_config`
+in Qwen3.5+; we read both and write both) and `dflash_config {mask_token_id, target_layer_ids}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .errors import DFlashError
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Z Lab's default taps: evenly from decoder layer 1 to layer N-3 (one tap per draft layer).
+
+    Ids are 0-based decoder-layer indices; the tapped feature is the OUTPUT of that layer
+    (HF `hidden_states[id + 1]`), see `target.Target`.
+    """
+    n, k = num_target_layers, num_draft_layers
+    if k == 1:
+        return [n // 2]
+    return [int(round(1 + i * (n - 4) / (k - 1))) for i in range(k)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int  # draft layers L
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the TARGET's vocabulary (embedding and LM head are the target's)
+    num_target_layers: int
+    mask_token_id: int
+    block_size: int = 16
+    target_layer_ids: list[int] = field(default_factory=list)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    # Optional reduced draft vocabulary: draft logits over `draft_vocab_size` ids, mapped back to
+    # target ids through the `d2t` tensor stored beside the weights. None = full vocabulary.
+    draft_vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.target_layer_ids:
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.validate()
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise DFlashError(f"block_size must be >= 1 (got {self.block_size}); use 1 for plain decoding.")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise DFlashError(
+                f"target_layer_ids {bad} are outside the target's decoder layers 0..{self.num_target_layers - 1}; "
+                "fix dflash_config.target_layer_ids (0-based decoder-layer ids) or num_target_layers."
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise DFlashError(
+                f"mask_token_id {self.mask_token_id} is outside the vocabulary (size {self.vocab_size}); "
+                "use an id the target's embedding has, e.g. a reserved special token."
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise DFlashError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})."
+            )
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    # ---- the checkpoint contract ---------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "DFlashConfig":
+        dc = d.get("dflash_config") or {}
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                               "vocab_size") if k not in d]
+        if "mask_token_id" not in dc and "mask_token_id" not in d:
+            missing.append("dflash_config.mask_token_id")
+        num_target_layers = dc.get("num_target_layers", d.get("num_target_layers"))
+        if num_target_layers is None:
+            missing.append("num_target_layers")
+        if missing:
+            raise DFlashError(f"drafter config.json lacks {missing}; it is not a DFlash (Z Lab format) checkpoint.")
+        rope_theta = d.get("rope_theta")
+        rope = d.get("rope_parameters") or {}
+        scaling = d.get("rope_scaling")
+        if rope_theta is None:
+            rope_theta = rope.get("rope_theta", 1_000_000.0)
+        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type")) or rope.get("rope_type", "default")
+        if rope_type != "default":
+            raise DFlashError(f"rope type {rope_type!r} is not supported by dflashkit yet; use a drafter with default RoPE.")
+        layer_types = d.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types) or d.get("use_sliding_window") or dc.get("use_swa"):
+            raise DFlashError("sliding-window draft layers are not supported by dflashkit yet; use a full-attention drafter.")
+        heads = d["num_attention_heads"]
+        return cls(
+            hidden_size=d["hidden_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads", heads),
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            intermediate_size=d["intermediate_size"],
+            vocab_size=d["vocab_size"],
+            num_target_layers=num_target_layers,
+            mask_token_id=dc.get("mask_token_id", d.get("mask_token_id")),
+            block_size=dc.get("block_size", d.get("block_size", 16)),
+            target_layer_ids=list(dc.get("target_layer_ids") or []),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=d.get("max_position_embeddings", 40960),
+            attention_bias=d.get("attention_bias", False),
+            draft_vocab_size=d.get("draft_vocab_size"),
+        )
+
+    def to_hf_dict(self) -> dict:
+        d = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": False,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "num_target_layers": self.num_target_layers,
+            "block_size": self.block_size,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+                "block_size": self.block_size,
+            },
+        }
+        if self.draft_vocab_size is not None:
+            d["draft_vocab_size"] = self.draft_vocab_size
+        return d
+
+    def replace(self, **changes) -> "DFlashConfig":
+        return dataclasses.replace(self, **changes)

