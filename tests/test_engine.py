@@ -187,3 +187,15 @@ def test_bad_inputs_raise_clear_errors():
         eng.generate([[]])
     with pytest.raises(DFlashError, match="needs a drafter"):
         DFlashEngine(t, None, block_size=4)
+
+
+def test_rows_finishing_at_different_times_in_a_big_batch():
+    """8 rows with different max_new_tokens: finished rows first ride along frozen, then leave the batch."""
+    t = make_target("qwen3")
+    eng = DFlashEngine(t, make_drafter(t, block_size=4), eos_token_ids=[])
+    prompts = PROMPTS * 2
+    limits = [3, 30, 5, 30, 30, 8, 30, 30]
+    ar, ref = reference_runs(eng, prompts, 30)
+    with_oracle(eng, ref, keep=0.8)
+    out = eng.generate(prompts, max_new_tokens=limits)
+    assert [g.tokens for g in out] == [a.tokens[:n] for a, n in zip(ar, limits)]

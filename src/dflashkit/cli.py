@@ -81,6 +81,39 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_data_prompts(args) -> int:
+    from .data import build_prompts, write_prompts
+
+    records, report = build_prompts(args.held_out, args.source)
+    path = write_prompts(records, report, args.out)
+    print(json.dumps({"prompts": str(path), **report}))
+    return 0
+
+
+def cmd_data_generate(args) -> int:
+    from .data import generate_responses, read_prompts
+    from .sampling import SamplingParams
+
+    args.drafter = None
+    engine, tok, _ = load_models(args)
+    records = read_prompts(args.prompts)
+    for split in args.split:
+        paths = generate_responses(engine, tok, records, args.out, split, chunk_size=args.chunk_size,
+                                   max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                                   sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p))
+        print(json.dumps({"split": split, "chunks": len(paths)}))
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .train import TrainConfig, train
+
+    cfg = TrainConfig.from_file(args.config)
+    out = train(cfg)
+    print(json.dumps({"out_dir": str(out)}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflashkit", description="DFlash block-diffusion speculative decoding.")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -98,11 +131,37 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare", action="store_true", help="also run block size 1 and report the speedup")
     g.add_argument("--json", action="store_true", help='print one JSON object {"text": ..., "stats": {...}}')
     g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("data", help="build training data").add_subparsers(dest="data_command", required=True)
+    dp = d.add_parser("prompts", help="prompts from ShareGPT (offline) or your JSONL, minus benchmark overlap")
+    dp.add_argument("--out", required=True, help="output directory (prompts.jsonl + manifest.json)")
+    dp.add_argument("--source", default=None, help="JSONL of {prompt} or {messages} objects (default: ShareGPT)")
+    dp.add_argument("--held-out", type=float, default=0.02, help="fraction of conversations held out (by id hash)")
+    dp.set_defaults(func=cmd_data_prompts)
+    dg = d.add_parser("generate", help="regenerate responses with the target (resumable chunks)")
+    dg.add_argument("--prompts", required=True, help="prompts.jsonl from `dflashkit data prompts`")
+    dg.add_argument("--out", required=True)
+    dg.add_argument("--split", action="append", default=None, choices=["train", "heldout"])
+    dg.add_argument("--target", default=None)
+    dg.add_argument("--device", default="cpu")
+    dg.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"])
+    dg.add_argument("--chunk-size", type=int, default=64, help="prompts per chunk (= batch size)")
+    dg.add_argument("--max-prompt-tokens", type=int, default=192)
+    dg.add_argument("--max-new-tokens", type=int, default=320)
+    dg.add_argument("--temperature", type=float, default=0.0)
+    dg.add_argument("--top-p", type=float, default=1.0)
+    dg.set_defaults(func=cmd_data_generate)
+
+    t = sub.add_parser("train", help="train a drafter from a recipe file")
+    t.add_argument("--config", required=True, help="JSON recipe (every TrainConfig field)")
+    t.set_defaults(func=cmd_train)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "data_command", None) == "generate" and args.split is None:
+        args.split = ["heldout", "train"]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="[%(name)s] %(message)s",
                         stream=sys.stderr)
     try:

@@ -170,7 +170,9 @@ class DFlashEngine:
         arange_q = torch.arange(Q, device=dev)
 
         while alive:
-            if len(alive) < len(seqs):  # a sequence finished: drop its row everywhere
+            # Finished rows leave the batch, but compaction copies every cache, so a big batch waits until a
+            # quarter of its rows are done; until then they ride along frozen (start does not advance).
+            if len(alive) < len(seqs) and (len(seqs) - len(alive)) * 4 >= len(seqs):
                 keep = [i for i, s in enumerate(seqs) if not s.finished]
                 rows = torch.tensor(keep, device=dev)
                 tcache.select(rows)
@@ -183,6 +185,7 @@ class DFlashEngine:
                 seqs = [seqs[i] for i in keep]
                 starts = [starts[i] for i in keep]
             b = len(seqs)
+            live = torch.tensor([not s.finished for s in seqs], device=dev) if len(alive) < b else None
             blk_pos = start[:, None] + arange_q  # [b, Q] positions of the block
             if use_draft:
                 drafts = self._draft(dcache, pend_feats, pend_pos, anchor, blk_pos, start, max(starts), seqs)
@@ -195,13 +198,16 @@ class DFlashEngine:
             host = torch.cat([choices, acc[:, None].to(choices.dtype)], dim=1).tolist()  # the one host sync
             # Commit: tokens p_0..p_a (d_1..d_a equal p_0..p_{a-1}); the bonus p_a is the next anchor.
             anchor = choices.gather(1, acc[:, None].long())[:, 0]
-            start = start + acc.long() + 1
+            step = acc.long() + 1
+            start = start + (step if live is None else step * live)
             # Features of the whole block go to the draft cache next step; rows past the accepted prefix sit
             # at positions >= the new start, invisible until those positions are committed and rewritten.
             pend_feats, pend_pos = feats, blk_pos
             now = time.perf_counter()
             out = []
             for i, (s, row) in enumerate(zip(seqs, host)):
+                if s.finished:
+                    continue
                 a = int(row[-1])
                 starts[i] += a + 1
                 s.stats.accepted.append(a)

@@ -105,6 +105,18 @@ class Target:
 
     _capture = False
 
+    @torch.no_grad()
+    def taps(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [B, S] (right-padded is fine: attention is causal) -> tapped features [B, S, k*H], no cache.
+
+        The training path: one plain causal forward over whole sequences."""
+        self._capture, self._taps = True, {}
+        try:
+            self.decoder(input_ids=ids, use_cache=False)
+            return torch.cat([self._taps[i] for i in self.tap_ids], dim=-1)
+        finally:
+            self._capture, self._taps = False, {}
+
     # ---- caches and the forward ---------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int) -> PositionCache:
         return PositionCache(self.num_layers, batch, self.num_kv_heads, max_len, self.head_dim, self.dtype, self.device)

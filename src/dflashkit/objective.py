@@ -1,0 +1,149 @@
+"""The DFlash training objective (dflash-spec §4.3-4.6): many random anchors per sequence, trained in
+ONE drafter forward through a sparse block mask, with a position-decayed cross-entropy.
+
+For a sequence of S tokens with target features for all S positions and anchors a_1..a_N:
+- block n = `[token at a_n, MASK x (B-1)]` at positions a_n .. a_n+B-1 (absolute, shared with the target);
+- slot j (j >= 1) predicts the token AT a_n + j (same-position labels; slot 0 is unsupervised);
+- block n sees context positions t < a_n (strictly: the anchor's own feature is what inference lacks)
+  plus all B slots of its own block (bidirectional); never another block;
+- padding blocks (fewer candidates than N) see nothing and weigh zero;
+- loss = sum_j w_j CE_j / sum_j w_j with w_j = exp(-(j-1)/gamma).
+The drafter forward is the very one inference uses (`DFlashDrafter.forward`), only the mask differs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .drafter import DFlashDrafter
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None):
+    """loss_mask: [B, S] bool (assistant tokens). Anchors only where the anchor AND the next token are
+    supervised. Returns anchors [B, N] (sorted; padding = 0) and valid [B, N] bool."""
+    B, S = loss_mask.shape
+    cand = loss_mask[:, :-1] & loss_mask[:, 1:]  # [B, S-1]
+    keys = torch.rand(cand.shape, generator=generator, device=loss_mask.device)
+    keys = keys.masked_fill(~cand, 2.0)  # non-candidates sort last
+    order = keys.argsort(dim=1)[:, :num_anchors]
+    valid = torch.gather(cand, 1, order)
+    anchors = torch.where(valid, order, torch.zeros_like(order))
+    # sort valid anchors ascending, padding last
+    anchors, idx = torch.sort(torch.where(valid, anchors, torch.full_like(anchors, S)), dim=1)
+    valid = torch.gather(valid, 1, idx)
+    anchors = torch.where(valid, anchors, torch.zeros_like(anchors))
+    if anchors.shape[1] < num_anchors:  # fewer positions than anchors asked for
+        pad = num_anchors - anchors.shape[1]
+        anchors = F.pad(anchors, (0, pad))
+        valid = F.pad(valid, (0, pad), value=False)
+    return anchors, valid
+
+
+def block_mask(anchors: torch.Tensor, valid: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """anchors, valid: [B, N] -> visibility [B, 1, N*Bq, S + N*Bq] bool (True = may attend), vectorised."""
+    B, N = anchors.shape
+    Q = N * block_size
+    blk = torch.arange(Q, device=anchors.device) // block_size  # block index of each query
+    a = anchors[:, blk]  # [B, Q] anchor of each query's block
+    v = valid[:, blk]  # [B, Q]
+    ctx = torch.arange(seq_len, device=anchors.device)[None, None, :] < a[:, :, None]  # [B, Q, S]
+    own = (blk[:, None] == blk[None, :])[None].expand(B, Q, Q)  # [B, Q, Q]
+    return (torch.cat([ctx, own], dim=-1) & v[:, :, None])[:, None]
+
+
+def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """[Bq] loss weight per slot: 0 for slot 0 (the anchor), exp(-(j-1)/gamma) for j >= 1."""
+    j = torch.arange(block_size, device=device, dtype=torch.float32)
+    return torch.where(j >= 1, torch.exp(-(j - 1) / gamma), torch.zeros_like(j))
+
+
+@dataclass
+class Blocks:
+    ids: torch.Tensor  # [B, N*Bq] block token ids
+    positions: torch.Tensor  # [B, N*Bq]
+    labels: torch.Tensor  # [B, N*Bq] token at the same position (0 where unsupervised)
+    weights: torch.Tensor  # [B, N*Bq] loss weight (0 = unsupervised)
+    mask: torch.Tensor  # [B, 1, N*Bq, S + N*Bq]
+
+
+def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
+                 block_size: int, mask_token_id: int, gamma: float) -> Blocks:
+    """input_ids, loss_mask: [B, S]; anchors, valid: [B, N]."""
+    B, S = input_ids.shape
+    N, Bq = anchors.shape[1], block_size
+    j = torch.arange(Bq, device=input_ids.device)
+    pos = anchors[:, :, None] + j  # [B, N, Bq] absolute positions
+    ids = torch.full((B, N, Bq), mask_token_id, dtype=torch.long, device=input_ids.device)
+    ids[:, :, 0] = torch.where(valid, torch.gather(input_ids, 1, anchors), mask_token_id)
+    inside = pos < S
+    lab_pos = pos.clamp(max=S - 1)
+    labels = torch.gather(input_ids, 1, lab_pos.view(B, -1)).view(B, N, Bq)
+    supervised = torch.gather(loss_mask, 1, lab_pos.view(B, -1)).view(B, N, Bq) & inside & valid[:, :, None]
+    w = decay_weights(Bq, gamma, input_ids.device) * supervised  # slot 0 weight is 0 by construction
+    return Blocks(ids.view(B, -1), pos.view(B, -1), torch.where(supervised, labels, 0).view(B, -1),
+                  w.view(B, -1), block_mask(anchors, valid, S, Bq))
+
+
+def drafter_logits_input(drafter: DFlashDrafter, embed, taps: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """The training forward: context = fused features of ALL positions, queries = all blocks.
+
+    taps: [B, S, k*H]. Returns hidden states [B, N*Bq, H] for the block slots.
+    """
+    B, S = taps.shape[:2]
+    ctx_kv = drafter.context_kv(drafter.fuse(taps), torch.arange(S, device=taps.device).expand(B, S))
+    mask = blocks.mask
+    # A padding block sees nothing; SDPA turns an all-masked row into NaN, which would poison the gradient
+    # even at weight 0. Let such rows see their own slot only (their outputs are discarded, weight 0).
+    empty = ~mask.any(-1, keepdim=True)  # [B, 1, Q, 1]
+    if empty.any():
+        Q = mask.shape[2]
+        self_slot = torch.zeros_like(mask)
+        self_slot[..., S:] = torch.eye(Q, dtype=torch.bool, device=mask.device)
+        mask = mask | (empty & self_slot)
+    return drafter(embed(blocks.ids), blocks.positions, ctx_kv, mask)
+
+
+def dflash_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor, block_size: int,
+                chunk: int = 8192, softcap: float | None = None, d2t_head: torch.Tensor | None = None,
+                t2d: torch.Tensor | None = None):
+    """hidden: [B, N*Bq, H]; lm_head: [V, H] frozen. Weighted CE over supervised slots only (logits are
+    computed just for those rows, in chunks). With a reduced draft vocabulary pass d2t_head [Vd, H] (rows of
+    the LM head) and t2d [V] (target id -> draft id, -1 if absent): labels outside it weigh zero.
+
+    Returns (loss, stats) where stats has per-slot correct/total counts [Bq] and the loss sums."""
+    w = blocks.weights
+    sel = w > 0
+    h = hidden[sel]  # [M, H]
+    labels = blocks.labels[sel]
+    weights = w[sel]
+    slot = torch.nonzero(sel)[:, 1] % block_size
+    head = lm_head if d2t_head is None else d2t_head
+    if t2d is not None:
+        labels = t2d[labels]
+        weights = weights * (labels >= 0)
+        labels = labels.clamp(min=0)
+    total = h.new_zeros((), dtype=torch.float32)
+    correct = torch.zeros(block_size, device=h.device)
+    for lo in range(0, h.shape[0], chunk):
+        logits = (h[lo:lo + chunk] @ head.T).float()
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        ce = F.cross_entropy(logits, labels[lo:lo + chunk], reduction="none")
+        total = total + (ce * weights[lo:lo + chunk]).sum()
+        hit = (logits.argmax(-1) == labels[lo:lo + chunk]) & (weights[lo:lo + chunk] > 0)
+        correct.index_add_(0, slot[lo:lo + chunk], hit.float())
+    count = torch.zeros(block_size, device=h.device).index_add_(0, slot, (weights > 0).float())
+    loss = total / weights.sum().clamp(min=1e-6)
+    return loss, {"correct": correct.detach(), "count": count.detach()}
+
+
+def simulated_tau(correct_prefix: torch.Tensor) -> float:
+    """correct_prefix: [M, Bq-1] bool per block (slot j correct) for fully supervised blocks -> mean of
+    1 + length of the leading run of correct slots (what verification would accept, bonus included)."""
+    if correct_prefix.numel() == 0:
+        return math.nan
+    return float((correct_prefix.int().cumprod(1).sum(1) + 1).float().mean())

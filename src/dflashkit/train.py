@@ -1,0 +1,284 @@
+"""Drafter training: one recipe file holds every hyper-parameter; `dflashkit train --config FILE` runs it.
+
+- online target features (the frozen target runs inside the step, bf16);
+- AdamW, linear warmup + cosine decay, gradient clipping, bf16 autocast, gradient accumulation;
+- per-position accuracy and simulated tau on the held-out split; JSONL log (+ TensorBoard if installed);
+- atomic checkpoints every `save_every` steps and exact resume: the batch and anchors of step k are a pure
+  function of (seed, k, rank), so a resumed run replays exactly what the uninterrupted one would have done;
+- data parallel through torchrun (DDP; gloo on CPU, nccl on CUDA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .checkpoint import atomic_write, load_drafter, save_drafter
+from .config import DFlashConfig
+from .data import TokenShard, load_shards
+from .drafter import DFlashDrafter
+from .errors import DFlashError
+from .objective import build_blocks, dflash_loss, drafter_logits_input, sample_anchors, simulated_tau
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str
+    data_dir: str
+    target: str | None = None  # None = the default SmolLM2 target
+    # drafter architecture
+    num_layers: int = 4
+    target_layer_ids: list[int] = field(default_factory=list)  # [] = the spec's default rule
+    block_size: int = 16
+    mask_token_id: int | None = None  # None = loader.choose_mask_token_id
+    init_from: str | None = None  # an existing drafter directory to fine-tune
+    # objective
+    num_anchors: int = 64
+    gamma: float = 7.0
+    max_len: int = 512
+    # optimisation
+    steps: int = 1000
+    batch_size: int = 8  # sequences per rank per micro-step
+    grad_accum: int = 1
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    bf16: bool = True
+    target_dtype: str = "bfloat16"
+    device: str = "auto"
+    seed: int = 0
+    # bookkeeping
+    log_every: int = 10
+    eval_every: int = 200
+    eval_batches: int = 4
+    save_every: int = 200
+    time_limit_s: float | None = None  # stop (and save) after this much wall time
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "TrainConfig":
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise DFlashError(f"cannot read the recipe {path} ({e}); give a JSON file of TrainConfig fields.") from None
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise DFlashError(f"unknown recipe keys {unknown}; valid keys: {sorted(known)}.")
+        return cls(**d)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    warm = max(1, int(cfg.warmup_ratio * cfg.steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    t = min(1.0, (step - warm) / max(1, cfg.steps - warm))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+class Batches:
+    """Step k's batch is a pure function of (seed, k, rank): exact resume without data-loader state."""
+
+    def __init__(self, shards: list[TokenShard], max_len: int, seed: int):
+        self.examples = [(s, i) for s in shards for i in range(len(s)) if len(s.example(i)[0]) - s.prompt_lens[i] >= 2]
+        if not self.examples:
+            raise DFlashError("the data has no example with at least 2 response tokens; regenerate the data.")
+        self.max_len, self.seed = max_len, seed
+
+    def get(self, step: int, batch: int, rank: int = 0, pad_id: int = 0):
+        rng = np.random.default_rng([self.seed, step, rank])
+        picks = rng.integers(0, len(self.examples), size=batch)
+        seqs, masks = [], []
+        for k in picks:
+            shard, i = self.examples[k]
+            toks, plen = shard.example(i)
+            toks = toks[: self.max_len]
+            m = np.arange(len(toks)) >= plen
+            seqs.append(toks)
+            masks.append(m)
+        S = max(len(t) for t in seqs)
+        ids = torch.full((batch, S), pad_id, dtype=torch.long)
+        lm = torch.zeros((batch, S), dtype=torch.bool)
+        for r, (t, m) in enumerate(zip(seqs, masks)):
+            ids[r, : len(t)] = torch.from_numpy(t.astype(np.int64))
+            lm[r, : len(m)] = torch.from_numpy(m)
+        return ids, lm
+
+
+def train_step_loss(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: torch.Generator, autocast):
+    taps = target.taps(ids)
+    anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, gen)
+    blocks = build_blocks(ids, loss_mask, anchors, valid, cfg.block_size, drafter_config(drafter).mask_token_id, cfg.gamma)
+    with autocast():
+        hidden = drafter_logits_input(drafter, target.embed, taps.to(torch.float32) if not cfg.bf16 else taps, blocks)
+        return dflash_loss(hidden, blocks, target.lm_head_weight, cfg.block_size, softcap=target.softcap)
+
+
+def drafter_config(drafter) -> DFlashConfig:
+    return (drafter.module if hasattr(drafter, "module") else drafter).config
+
+
+@torch.no_grad()
+def evaluate(drafter, target, batches: Batches, cfg: TrainConfig, autocast, device) -> dict:
+    """Held-out per-position accuracy and simulated tau (blocks whose slots are all supervised)."""
+    raw = drafter.module if hasattr(drafter, "module") else drafter
+    raw.eval()
+    correct = torch.zeros(cfg.block_size, device=device)
+    count = torch.zeros(cfg.block_size, device=device)
+    prefixes = []
+    for k in range(cfg.eval_batches):
+        ids, lm = batches.get(k, cfg.batch_size, rank=10_000)
+        ids, lm = ids.to(device), lm.to(device)
+        gen = torch.Generator(device=device).manual_seed(cfg.seed + 777 + k)
+        taps = target.taps(ids)
+        anchors, valid = sample_anchors(lm, cfg.num_anchors, gen)
+        blocks = build_blocks(ids, lm, anchors, valid, cfg.block_size, raw.config.mask_token_id, cfg.gamma)
+        with autocast():
+            hidden = drafter_logits_input(raw, target.embed, taps, blocks)
+        pred = target.logits(hidden.to(target.dtype)).argmax(-1)  # [B, N*Bq]
+        B = ids.shape[0]
+        ok = (pred == blocks.labels).view(B, -1, cfg.block_size)[..., 1:]
+        sup = (blocks.weights > 0).view(B, -1, cfg.block_size)[..., 1:]
+        correct[1:] += (ok & sup).sum((0, 1)).float()
+        count[1:] += sup.sum((0, 1)).float()
+        full = sup.all(-1)  # [B, N] blocks that are supervised end to end
+        prefixes.append(ok[full])
+    raw.train()
+    acc = (correct / count.clamp(min=1))[1:].tolist()
+    return {"eval_acc": [round(a, 4) for a in acc], "eval_tau": round(simulated_tau(torch.cat(prefixes)), 4)}
+
+
+def _setup_distributed(cfg: TrainConfig):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cfg.device == "auto":
+        device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(cfg.device)
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return world, rank, device
+
+
+def build_drafter(cfg: TrainConfig, target, tokenizer) -> DFlashDrafter:
+    from .loader import choose_mask_token_id, default_drafter_config
+
+    if cfg.init_from:
+        return load_drafter(cfg.init_from)
+    mask = cfg.mask_token_id if cfg.mask_token_id is not None else choose_mask_token_id(tokenizer)
+    dc = default_drafter_config(target, mask, num_layers=cfg.num_layers, block_size=cfg.block_size,
+                                target_layer_ids=cfg.target_layer_ids or None)
+    return DFlashDrafter(dc).init_weights(cfg.seed)
+
+
+def train(cfg: TrainConfig, target=None, tokenizer=None) -> Path:
+    """Run (or resume) the recipe; returns the output directory holding `drafter/` and `train_log.jsonl`."""
+    from .loader import load_target
+
+    world, rank, device = _setup_distributed(cfg)
+    torch.manual_seed(cfg.seed)
+    out = Path(cfg.out_dir)
+    if target is None:
+        target, tokenizer = load_target(cfg.target, dtype=cfg.target_dtype, device=str(device))
+    ckpt = out / "checkpoint.pt"
+    drafter = build_drafter(cfg, target, tokenizer).to(device)
+    target.set_taps(drafter.config.target_layer_ids)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    step = 0
+    if ckpt.exists():
+        state = torch.load(ckpt, map_location=device, weights_only=False)
+        drafter.load_state_dict(state["drafter"])
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+        log.info("resumed from %s at step %d", ckpt, step)
+    model = drafter
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
+    train_batches = Batches(load_shards(Path(cfg.data_dir), "train"), cfg.max_len, cfg.seed)
+    try:
+        eval_batches = Batches(load_shards(Path(cfg.data_dir), "heldout"), cfg.max_len, cfg.seed)
+    except DFlashError:
+        eval_batches = None
+    dtype = torch.bfloat16
+
+    def autocast():
+        return torch.autocast(device.type, dtype=dtype, enabled=cfg.bf16)
+
+    writer = None
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "recipe.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            writer = SummaryWriter(str(out / "tb"))
+        except Exception:  # tensorboard is optional
+            writer = None
+    logf = open(out / "train_log.jsonl", "a") if rank == 0 else None
+    t_start = time.time()
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=rank != 0)
+    drafter.train()
+    while step < cfg.steps:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        opt.zero_grad(set_to_none=True)
+        tot_loss, correct, count = 0.0, 0, 0
+        for micro in range(cfg.grad_accum):
+            ids, lm = train_batches.get(step * cfg.grad_accum + micro, cfg.batch_size, rank)
+            gen = torch.Generator(device=device).manual_seed(hash((cfg.seed, step, micro, rank)) % (2**62))
+            loss, st = train_step_loss(model, target, ids.to(device), lm.to(device), cfg, gen, autocast)
+            (loss / cfg.grad_accum).backward()
+            tot_loss += loss.detach().item() / cfg.grad_accum
+            correct, count = correct + st["correct"], count + st["count"]
+        gnorm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
+        opt.step()
+        step += 1
+        bar.update(1)
+        if rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps):
+            acc = (correct / count.clamp(min=1))[1:]
+            rec = {"step": step, "loss": round(tot_loss, 5), "lr": lr_at(step - 1, cfg), "grad_norm": round(gnorm, 4),
+                   "acc1": round(float(acc[0]), 4), "acc_mean": round(float(acc.mean()), 4),
+                   "elapsed_s": round(time.time() - t_start, 1)}
+            if eval_batches is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+                rec.update(evaluate(model, target, eval_batches, cfg, autocast, device))
+            logf.write(json.dumps(rec) + "\n")
+            logf.flush()
+            bar.set_postfix(loss=rec["loss"], acc1=rec["acc1"])
+            if writer:
+                for k, v in rec.items():
+                    if isinstance(v, (int, float)):
+                        writer.add_scalar(k, v, step)
+        out_of_time = cfg.time_limit_s is not None and time.time() - t_start > cfg.time_limit_s
+        if rank == 0 and (step % cfg.save_every == 0 or step == cfg.steps or out_of_time):
+            save_checkpoint(drafter, opt, step, out)
+        if out_of_time:
+            log.info("time limit reached at step %d; rerun the same command to continue", step)
+            break
+    bar.close()
+    if logf:
+        logf.close()
+    if world > 1:
+        torch.distributed.barrier()
+    return out
+
+
+def save_checkpoint(drafter: DFlashDrafter, opt, step: int, out: Path) -> None:
+    """Resumable state (checkpoint.pt) and the servable drafter (drafter/, Z Lab format), both atomic."""
+    atomic_write(out / "checkpoint.pt", lambda p: torch.save(
+        {"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step}, p))
+    save_drafter(drafter, out / "drafter", extra_config={"dflashkit_train_step": step})

@@ -1,0 +1,85 @@
+"""The training objective: anchors, labels, the fast block mask vs a naive reference, train/serve parity."""
+
+import torch
+
+from conftest import make_drafter, make_target
+from dflashkit.cache import PositionCache
+from dflashkit.objective import block_mask, build_blocks, decay_weights, drafter_logits_input, sample_anchors
+
+
+def reference_mask(anchors, valid, S, Bq):
+    """The obvious O(n^2) loop: query (n, j) sees context t iff t < a_n, and block keys of its own block."""
+    B, N = anchors.shape
+    Q = N * Bq
+    m = torch.zeros(B, 1, Q, S + Q, dtype=torch.bool)
+    for b in range(B):
+        for n in range(N):
+            if not valid[b, n]:
+                continue  # padding blocks see nothing
+            for j in range(Bq):
+                q = n * Bq + j
+                for t in range(S):
+                    m[b, 0, q, t] = t < anchors[b, n]
+                for k in range(Bq):
+                    m[b, 0, q, S + n * Bq + k] = True
+    return m
+
+
+def test_fast_mask_equals_reference_on_random_anchors():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(5):
+        S, Bq, N = 40, 4, 6
+        lm = torch.rand(3, S, generator=g) > 0.3
+        lm[2] = False
+        lm[2, 30:33] = True  # few candidates -> padding blocks
+        anchors, valid = sample_anchors(lm, N, g)
+        assert not valid[2, 2:].any()
+        assert torch.equal(block_mask(anchors, valid, S, Bq), reference_mask(anchors, valid, S, Bq))
+
+
+def test_anchors_and_labels():
+    g = torch.Generator().manual_seed(1)
+    S, Bq = 30, 4
+    ids = torch.arange(100, 100 + S)[None]
+    lm = torch.zeros(1, S, dtype=torch.bool)
+    lm[0, 10:] = True
+    anchors, valid = sample_anchors(lm, 8, g)
+    assert valid.all() and (anchors[valid] >= 10).all() and (anchors[valid] <= S - 2).all()
+    assert torch.equal(anchors, anchors.sort(1).values) and len(set(anchors[0].tolist())) == 8
+    bl = build_blocks(ids, lm, anchors, valid, Bq, mask_token_id=7, gamma=2.0)
+    a = anchors[0, 0].item()
+    assert bl.ids[0, :Bq].tolist() == [100 + a, 7, 7, 7]
+    assert bl.positions[0, :Bq].tolist() == [a, a + 1, a + 2, a + 3]
+    # same-position labels: slot j predicts the token AT anchor + j; slot 0 unsupervised
+    w = decay_weights(Bq, 2.0)
+    for j in range(1, Bq):
+        if a + j < S:
+            assert bl.labels[0, j] == 100 + a + j and torch.isclose(bl.weights[0, j], w[j])
+    assert bl.weights[0, 0] == 0 and torch.isclose(w[1], torch.tensor(1.0)) and torch.isclose(w[3], torch.exp(torch.tensor(-1.0)))
+
+
+def test_training_forward_equals_inference_forward():
+    """Train/serve parity: the many-anchor training forward gives, for each anchor, the logits the
+    incremental inference forward (cached context, engine-style mask) gives for that block."""
+    t = make_target("llama")
+    dr = make_drafter(t, block_size=4)
+    t.set_taps(dr.config.target_layer_ids)
+    torch.manual_seed(0)
+    S, Bq = 24, 4
+    ids = torch.randint(4, 90, (1, S))
+    lm = torch.ones(1, S, dtype=torch.bool)
+    anchors, valid = sample_anchors(lm, 5, torch.Generator().manual_seed(3))
+    taps = t.taps(ids)
+    blocks = build_blocks(ids, lm, anchors, valid, Bq, dr.config.mask_token_id, 7.0)
+    train_h = drafter_logits_input(dr, t.embed, taps, blocks)
+    c = dr.config
+    for n, a in enumerate(anchors[0].tolist()):
+        cache = PositionCache(c.num_hidden_layers, 1, c.num_key_value_heads, 64, c.head_dim, t.dtype, torch.device("cpu"))
+        pos = torch.arange(a)[None]
+        for layer, (k, v) in enumerate(dr.context_kv(dr.fuse(taps[:, :a]), pos)):
+            cache.write(layer, k, v, pos)
+        kv = [(cache.keys[l][:, :, :a], cache.values[l][:, :, :a]) for l in range(c.num_hidden_layers)]
+        block = torch.tensor([[ids[0, a].item()] + [c.mask_token_id] * (Bq - 1)])
+        mask = torch.ones(1, 1, Bq, a + Bq, dtype=torch.bool)
+        inf_h = dr(t.embed(block), a + torch.arange(Bq)[None], kv, mask)
+        torch.testing.assert_close(train_h[:, n * Bq:(n + 1) * Bq], inf_h, rtol=1e-10, atol=1e-10)
