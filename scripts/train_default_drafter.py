@@ -63,9 +63,14 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=320)
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--num-anchors", type=int, default=64)
+    ap.add_argument("--num-anchors", type=int, default=128)
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--limit-prompts", type=int, default=None)
+    ap.add_argument("--skip-gen", action="store_true", help="reuse the shards already under --work/data")
+    ap.add_argument("--init-from", default=None, help="continue from this drafter directory (new LR schedule)")
+    ap.add_argument("--steps", type=int, default=None, help="fixed step count (skips the calibration)")
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--run-name", default="run")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout)
     t0 = time.time()
@@ -95,7 +100,7 @@ def main() -> int:
     engine = DFlashEngine(target, None, tokenizer=tok)
     gen_deadline = t0 + args.gen_seconds
     t_gen = time.time()
-    for split in ("heldout", "train"):
+    for split in ("heldout", "train") if not args.skip_gen else ():
         generate_responses(engine, tok, records, data_dir, split, chunk_size=args.chunk_size,
                            max_prompt_tokens=10_000, max_new_tokens=args.max_new_tokens, deadline=gen_deadline)
     for split in ("heldout", "train"):
@@ -115,18 +120,23 @@ def main() -> int:
     # ---- phase 2: calibrate the step time, then train to fit the remaining budget
     base = dict(data_dir=str(data_dir), num_layers=args.layers, target_layer_ids=[1, 7, 14, 20, 27], block_size=16,
                 num_anchors=args.num_anchors, gamma=7.0, max_len=args.max_len, batch_size=args.batch_size,
-                lr=6e-4, warmup_ratio=0.04, grad_clip=1.0, bf16=True, device=device, seed=0, log_every=25)
+                lr=args.lr, warmup_ratio=0.04, init_from=args.init_from, grad_clip=1.0, bf16=True, device=device, seed=0, log_every=25)
     train_start = time.time()
-    calib = TrainConfig(out_dir=str(work / "calib"), steps=8, eval_every=10**9, save_every=10**9, **base)
-    train(calib, target=target, tokenizer=tok)
-    per_step = (time.time() - train_start) / 8
+    if args.steps:
+        per_step = None
+    # Calibrate on a throwaway run: 3 warm-up steps (CUDA init, kernel selection), then 10 timed steps.
+    else:
+        train(TrainConfig(out_dir=str(work / "calib0"), steps=3, eval_batches=0, save_every=10**9, **base), target=target, tokenizer=tok)
+        t_cal = time.time()
+        train(TrainConfig(out_dir=str(work / "calib1"), steps=10, eval_batches=0, save_every=10**9, **base), target=target, tokenizer=tok)
+        per_step = (time.time() - t_cal) / 10
     remaining = args.train_seconds - (time.time() - train_start)
-    steps = max(10, int(remaining / per_step * 0.9))
-    report["train_calibration_s_per_step"] = round(per_step, 4)
+    steps = args.steps or max(10, int(remaining / per_step * 0.9))
+    report["train_calibration_s_per_step"] = per_step and round(per_step, 4)
     report["train_steps_planned"] = steps
     save_report()
     log.info("calibrated %.3f s/step -> %d steps", per_step, steps)
-    cfg = TrainConfig(out_dir=str(work / "run"), steps=steps, eval_every=max(50, steps // 6), eval_batches=4,
+    cfg = TrainConfig(out_dir=str(work / args.run_name), steps=steps, eval_every=max(50, steps // 6), eval_batches=4,
                       save_every=max(50, steps // 4), time_limit_s=remaining, **base)
     t_train = time.time()
     run = train(cfg, target=target, tokenizer=tok)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .cache import PositionCache
@@ -80,7 +81,10 @@ class Target:
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: [..., H] final-normed states -> [..., V] logits (optionally over a row subset `weight`)."""
-        logits = hidden @ (self.lm_head_weight if weight is None else weight).T
+        # Flatten to 2-D first: a 3-D input such as h[:, 1:] (odd batch stride) sends the product down a bmm
+        # path that copies the whole 49K x H head on every call (measured on CPU, bf16: 40 ms instead of 4 ms).
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        logits = F.linear(flat, self.lm_head_weight if weight is None else weight).view(*hidden.shape[:-1], -1)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -254,7 +254,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> Path:
             rec = {"step": step, "loss": round(tot_loss, 5), "lr": lr_at(step - 1, cfg), "grad_norm": round(gnorm, 4),
                    "acc1": round(float(acc[0]), 4), "acc_mean": round(float(acc.mean()), 4),
                    "elapsed_s": round(time.time() - t_start, 1)}
-            if eval_batches is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+            if eval_batches is not None and cfg.eval_batches > 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
                 rec.update(evaluate(model, target, eval_batches, cfg, autocast, device))
             logf.write(json.dumps(rec) + "\n")
             logf.flush()
