@@ -139,7 +139,8 @@ def main() -> int:
     cfg = TrainConfig(out_dir=str(work / args.run_name), steps=steps, eval_every=max(50, steps // 6), eval_batches=4,
                       save_every=max(50, steps // 4), time_limit_s=remaining, **base)
     t_train = time.time()
-    run = train(cfg, target=target, tokenizer=tok)
+    train(cfg, target=target, tokenizer=tok)
+    run = Path(cfg.out_dir)
     report["train_seconds"] = round(time.time() - t_train, 1)
 
     # ---- outputs: the drafter as bf16 shards (merged into model.safetensors back home)

@@ -109,8 +109,8 @@ def cmd_train(args) -> int:
     from .train import TrainConfig, train
 
     cfg = TrainConfig.from_file(args.config)
-    out = train(cfg)
-    print(json.dumps({"out_dir": str(out)}))
+    train(cfg)
+    print(json.dumps({"out_dir": cfg.out_dir}))
     return 0
 
 

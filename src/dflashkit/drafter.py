@@ -159,10 +159,15 @@ class DFlashDrafter(nn.Module):
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, fused.dtype)
         return [layer.self_attn.kv(fused, cos, sin) for layer in self.layers]
 
-    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, ctx_kv, mask: torch.Tensor):
+    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, ctx_kv, mask: torch.Tensor,
+                taps: torch.Tensor | None = None, tap_positions: torch.Tensor | None = None):
         """block_embeds: [B, Q, H] target embeddings of the block tokens; block_positions: [B, Q];
         ctx_kv: per layer (k, v) each [B, kvh, S, hd]; mask: [B, 1, Q, S + Q] bool (True = visible).
+        Training passes raw `taps` [B, S, k*H] at `tap_positions` [B, S] instead of ctx_kv, so that the whole
+        step is one `forward` (what DistributedDataParallel needs to synchronise gradients).
         Returns the final-normed hidden states [B, Q, H] (feed to the target LM head)."""
+        if taps is not None:
+            ctx_kv = self.context_kv(self.fuse(taps), tap_positions)
         cos, sin = rope_cos_sin(block_positions, self.config.head_dim, self.config.rope_theta, block_embeds.dtype)
         x = block_embeds
         for layer, (ck, cv) in zip(self.layers, ctx_kv):

@@ -145,7 +145,12 @@ def load_target(path: str | os.PathLike | None = None, dtype: str | torch.dtype 
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=parse_dtype(dtype), attn_implementation="sdpa")
     except (OSError, ValueError) as e:
         raise DFlashError(f"cannot load the target from {target_dir}: {e}") from None
-    return Target(model.to(device)), load_tokenizer(target_dir)
+    try:
+        tok = load_tokenizer(target_dir)
+    except (OSError, ValueError, TypeError) as e:  # a bare model directory: training can do without one
+        log.warning("no tokenizer in %s (%s); prompts must be given as token ids", target_dir, e)
+        tok = None
+    return Target(model.to(device)), tok
 
 
 def choose_mask_token_id(tokenizer) -> int:

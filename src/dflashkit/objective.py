@@ -94,7 +94,6 @@ def drafter_logits_input(drafter: DFlashDrafter, embed, taps: torch.Tensor, bloc
     taps: [B, S, k*H]. Returns hidden states [B, N*Bq, H] for the block slots.
     """
     B, S = taps.shape[:2]
-    ctx_kv = drafter.context_kv(drafter.fuse(taps), torch.arange(S, device=taps.device).expand(B, S))
     mask = blocks.mask
     # A padding block sees nothing; SDPA turns an all-masked row into NaN, which would poison the gradient
     # even at weight 0. Let such rows see their own slot only (their outputs are discarded, weight 0).
@@ -104,7 +103,8 @@ def drafter_logits_input(drafter: DFlashDrafter, embed, taps: torch.Tensor, bloc
         self_slot = torch.zeros_like(mask)
         self_slot[..., S:] = torch.eye(Q, dtype=torch.bool, device=mask.device)
         mask = mask | (empty & self_slot)
-    return drafter(embed(blocks.ids), blocks.positions, ctx_kv, mask)
+    return drafter(embed(blocks.ids), blocks.positions, None, mask,
+                   taps=taps, tap_positions=torch.arange(S, device=taps.device).expand(B, S))
 
 
 def dflash_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor, block_size: int,

@@ -43,6 +43,9 @@ class TrainConfig:
     block_size: int = 16
     mask_token_id: int | None = None  # None = loader.choose_mask_token_id
     init_from: str | None = None  # an existing drafter directory to fine-tune
+    # Reduced draft vocabulary: the most frequent target tokens of the training responses (None = full).
+    # The loss and the drafting run over these rows of the LM head only; verification stays exact.
+    draft_vocab_size: int | None = None
     # objective
     num_anchors: int = 64
     gamma: float = 7.0
@@ -118,13 +121,36 @@ class Batches:
         return ids, lm
 
 
-def train_step_loss(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: torch.Generator, autocast):
+def train_step_loss(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: torch.Generator, autocast, vocab=None):
+    """vocab: None, or (d2t_head [Vd, H], t2d [V]) for a reduced draft vocabulary."""
     taps = target.taps(ids)
     anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, gen)
     blocks = build_blocks(ids, loss_mask, anchors, valid, cfg.block_size, drafter_config(drafter).mask_token_id, cfg.gamma)
+    head, t2d = vocab if vocab is not None else (None, None)
     with autocast():
         hidden = drafter_logits_input(drafter, target.embed, taps.to(torch.float32) if not cfg.bf16 else taps, blocks)
-        return dflash_loss(hidden, blocks, target.lm_head_weight, cfg.block_size, softcap=target.softcap)
+        return dflash_loss(hidden, blocks, target.lm_head_weight, cfg.block_size, softcap=target.softcap,
+                           d2t_head=head, t2d=t2d)
+
+
+def frequent_tokens(shards: list[TokenShard], k: int, vocab_size: int) -> torch.Tensor:
+    """The k most frequent target ids among response tokens, ascending id order."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for s in shards:
+        for i in range(len(s)):
+            toks, plen = s.example(i)
+            counts += np.bincount(toks[plen:], minlength=vocab_size)
+    top = np.argsort(-counts, kind="stable")[:k]
+    return torch.from_numpy(np.sort(top))
+
+
+def with_draft_vocab(drafter: DFlashDrafter, ids: torch.Tensor) -> DFlashDrafter:
+    """The same weights with a reduced draft vocabulary `ids` (target ids) attached."""
+    new = DFlashDrafter(drafter.config.replace(draft_vocab_size=int(ids.numel())))
+    state = {k: v for k, v in drafter.state_dict().items() if k != "d2t"}
+    new.load_state_dict(state, strict=False)
+    new.d2t.copy_(ids - torch.arange(ids.numel()))
+    return new
 
 
 def drafter_config(drafter) -> DFlashConfig:
@@ -132,7 +158,7 @@ def drafter_config(drafter) -> DFlashConfig:
 
 
 @torch.no_grad()
-def evaluate(drafter, target, batches: Batches, cfg: TrainConfig, autocast, device) -> dict:
+def evaluate(drafter, target, batches: Batches, cfg: TrainConfig, autocast, device, vocab=None) -> dict:
     """Held-out per-position accuracy and simulated tau (blocks whose slots are all supervised)."""
     raw = drafter.module if hasattr(drafter, "module") else drafter
     raw.eval()
@@ -148,7 +174,10 @@ def evaluate(drafter, target, batches: Batches, cfg: TrainConfig, autocast, devi
         blocks = build_blocks(ids, lm, anchors, valid, cfg.block_size, raw.config.mask_token_id, cfg.gamma)
         with autocast():
             hidden = drafter_logits_input(raw, target.embed, taps, blocks)
-        pred = target.logits(hidden.to(target.dtype)).argmax(-1)  # [B, N*Bq]
+        if vocab is None:
+            pred = target.logits(hidden.to(target.dtype)).argmax(-1)  # [B, N*Bq]
+        else:  # drafting over the reduced vocabulary, as inference does
+            pred = raw.draft_to_target_ids()[target.logits(hidden.to(target.dtype), vocab[0]).argmax(-1)]
         B = ids.shape[0]
         ok = (pred == blocks.labels).view(B, -1, cfg.block_size)[..., 1:]
         sup = (blocks.weights > 0).view(B, -1, cfg.block_size)[..., 1:]
@@ -185,8 +214,9 @@ def build_drafter(cfg: TrainConfig, target, tokenizer) -> DFlashDrafter:
     return DFlashDrafter(dc).init_weights(cfg.seed)
 
 
-def train(cfg: TrainConfig, target=None, tokenizer=None) -> Path:
-    """Run (or resume) the recipe; returns the output directory holding `drafter/` and `train_log.jsonl`."""
+def train(cfg: TrainConfig, target=None, tokenizer=None) -> DFlashDrafter:
+    """Run (or resume) the recipe; returns the trained drafter. `cfg.out_dir` holds `drafter/` (Z Lab format),
+    `checkpoint.pt` (resumable state), `train_log.jsonl` and `recipe.json`."""
     from .loader import load_target
 
     world, rank, device = _setup_distributed(cfg)
@@ -195,8 +225,18 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> Path:
     if target is None:
         target, tokenizer = load_target(cfg.target, dtype=cfg.target_dtype, device=str(device))
     ckpt = out / "checkpoint.pt"
-    drafter = build_drafter(cfg, target, tokenizer).to(device)
+    drafter = build_drafter(cfg, target, tokenizer)
+    train_shards = load_shards(Path(cfg.data_dir), "train")
+    if cfg.draft_vocab_size and drafter.config.draft_vocab_size != cfg.draft_vocab_size:
+        drafter = with_draft_vocab(drafter, frequent_tokens(train_shards, cfg.draft_vocab_size, target.vocab_size))
+    drafter = drafter.to(device)
     target.set_taps(drafter.config.target_layer_ids)
+    vocab = None
+    if drafter.d2t is not None:
+        d2t = drafter.draft_to_target_ids()
+        t2d = torch.full((target.vocab_size,), -1, dtype=torch.long, device=device)
+        t2d[d2t] = torch.arange(d2t.numel(), device=device)
+        vocab = (target.lm_head_weight[d2t], t2d)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     step = 0
     if ckpt.exists():
@@ -208,7 +248,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> Path:
     model = drafter
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
-    train_batches = Batches(load_shards(Path(cfg.data_dir), "train"), cfg.max_len, cfg.seed)
+    train_batches = Batches(train_shards, cfg.max_len, cfg.seed)
     try:
         eval_batches = Batches(load_shards(Path(cfg.data_dir), "heldout"), cfg.max_len, cfg.seed)
     except DFlashError:
@@ -241,7 +281,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> Path:
         for micro in range(cfg.grad_accum):
             ids, lm = train_batches.get(step * cfg.grad_accum + micro, cfg.batch_size, rank)
             gen = torch.Generator(device=device).manual_seed(hash((cfg.seed, step, micro, rank)) % (2**62))
-            loss, st = train_step_loss(model, target, ids.to(device), lm.to(device), cfg, gen, autocast)
+            loss, st = train_step_loss(model, target, ids.to(device), lm.to(device), cfg, gen, autocast, vocab)
             (loss / cfg.grad_accum).backward()
             tot_loss += loss.detach().item() / cfg.grad_accum
             correct, count = correct + st["correct"], count + st["count"]
@@ -255,7 +295,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> Path:
                    "acc1": round(float(acc[0]), 4), "acc_mean": round(float(acc.mean()), 4),
                    "elapsed_s": round(time.time() - t_start, 1)}
             if eval_batches is not None and cfg.eval_batches > 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
-                rec.update(evaluate(model, target, eval_batches, cfg, autocast, device))
+                rec.update(evaluate(model, target, eval_batches, cfg, autocast, device, vocab))
             logf.write(json.dumps(rec) + "\n")
             logf.flush()
             bar.set_postfix(loss=rec["loss"], acc1=rec["acc1"])
@@ -274,7 +314,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> Path:
         logf.close()
     if world > 1:
         torch.distributed.barrier()
-    return out
+    return drafter
 
 
 def save_checkpoint(drafter: DFlashDrafter, opt, step: int, out: Path) -> None:
