@@ -114,6 +114,22 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from .bench import BenchConfig, markdown, run_bench, write_report
+
+    methods = [m.strip() for m in ",".join(args.methods).split(",") if m.strip()]
+    if not args.dataset and not args.prompts:
+        raise DFlashError("give --dataset NAME (repeatable) or --prompts FILE.jsonl.")
+    cfg = BenchConfig(datasets=args.dataset or [], prompts_file=args.prompts, limit=args.limit,
+                      max_new_tokens=args.max_new_tokens, block_sizes=args.block_size or [16],
+                      temperature=args.temperature, batch_size=args.batch_size, methods=methods, out=args.out,
+                      target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
+                      speed_bench_dir=args.speed_bench_dir, command="dflashkit " + " ".join(sys.argv[1:]))
+    report = write_report(run_bench(cfg), args.out)
+    print(markdown(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflashkit", description="DFlash block-diffusion speculative decoding.")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -152,6 +168,21 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--top-p", type=float, default=1.0)
     dg.set_defaults(func=cmd_data_generate)
 
+    b = sub.add_parser("bench", help="tau and speed vs autoregressive decoding and the peers")
+    b.add_argument("--dataset", action="append", default=None,
+                   help="humaneval | mt-bench | sharegpt-heldout | math | speed-bench (repeatable)")
+    b.add_argument("--prompts", default=None, help='JSONL, one {"prompt": ...} or {"messages": [...]} per line')
+    b.add_argument("--limit", type=int, default=None)
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--block-size", type=int, action="append", default=None, help="repeatable (default 16)")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--batch-size", type=int, default=1)
+    b.add_argument("--methods", action="append", default=None, help="comma list: ar,dflash,hf,hf-lookup")
+    b.add_argument("--out", default="bench/results/latest")
+    b.add_argument("--speed-bench-dir", default=None)
+    _add_model_flags(b)
+    b.set_defaults(func=cmd_bench)
+
     t = sub.add_parser("train", help="train a drafter from a recipe file")
     t.add_argument("--config", required=True, help="JSON recipe (every TrainConfig field)")
     t.set_defaults(func=cmd_train)
@@ -160,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench" and args.methods is None:
+        args.methods = ["ar,dflash,hf,hf-lookup"]
     if getattr(args, "data_command", None) == "generate" and args.split is None:
         args.split = ["heldout", "train"]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="[%(name)s] %(message)s",

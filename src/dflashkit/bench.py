@@ -1,0 +1,358 @@
+"""`dflashkit bench`: tau, speed and exactness side by side with autoregressive decoding and the peers.
+
+Datasets (all offline): `humaneval` (164, Z Lab's wrapper), `mt-bench` (80 x 2 turns: the second turn is asked
+after the method's own first answer), `sharegpt-heldout` (held out by conversation id, never trained on),
+`math` (word problems written for this repo), `speed-bench` (a directory the user materialises; never bundled),
+or `--prompts FILE.jsonl`.
+
+Methods: `ar` (our engine, block size 1: the baseline of `speedup_vs_ar`), `dflash` (our engine + drafter at
+each block size, named `dflash-b{B}`), `hf` (transformers greedy `generate`), `hf-lookup` (prompt-lookup
+decoding). A method whose optional dependency is absent is skipped with a message in the results.
+
+Metrics per dataset and method (one record per turn): tau (bonus included), cumulative per-position
+acceptance (1 + sum == tau), accepted-length histogram, tokens/s (decode), TPOT, TTFT, speedup vs `ar`, and
+`mismatches_vs_ar`: greedy outputs that differ from our AR output, with how many part at a near-tie.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import DFlashError
+
+log = logging.getLogger(__name__)
+
+HUMANEVAL_WRAPPER = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{}\n```"
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+# ---- datasets: each item is a list of user turns ----------------------------------------------------------
+def load_dataset(name: str, limit: int | None = None, speed_bench_dir: str | None = None) -> list[list[str]]:
+    from . import data
+
+    if name == "humaneval":
+        items = [[HUMANEVAL_WRAPPER.format(p["prompt"].strip())] for p in data.humaneval_prompts()]
+    elif name == "mt-bench":
+        items = [list(q["turns"]) for q in data.mtbench_questions()]
+    elif name == "sharegpt-heldout":
+        records, _ = data.build_prompts()
+        items = [[r["messages"][0]["content"]] for r in records if r["split"] == "heldout"]
+    elif name == "math":
+        path = Path(__file__).parent / "datasets" / "math_word_problems.jsonl"  # written for this repo
+        items = [[json.loads(line)["question"] + MATH_SUFFIX] for line in path.read_text().splitlines() if line.strip()]
+    elif name == "speed-bench":
+        if not speed_bench_dir:
+            raise DFlashError("speed-bench is not bundled (its licence forbids it): materialise it yourself and pass "
+                              "--speed-bench-dir DIR (JSONL files with a 'prompt' or 'turns' field).")
+        items = []
+        for f in sorted(Path(speed_bench_dir).glob("*.jsonl")):
+            for line in f.read_text().splitlines():
+                if line.strip():
+                    rec = json.loads(line)
+                    items.append(list(rec["turns"]) if "turns" in rec else [rec["prompt"]])
+    else:
+        raise DFlashError(f"unknown dataset {name!r}; choose from humaneval, mt-bench, sharegpt-heldout, math, "
+                          "speed-bench, or pass --prompts FILE.jsonl.")
+    return items[:limit] if limit else items
+
+
+def load_prompt_file(path: str, limit: int | None = None) -> list[list[str]]:
+    items = []
+    for k, line in enumerate(Path(path).read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DFlashError(f"{path} line {k + 1} is not JSON ({e}); one object per line.") from None
+        if "prompt" in rec:
+            items.append([rec["prompt"]])
+        elif "messages" in rec:
+            items.append([m["content"] for m in rec["messages"] if m.get("role") == "user"])
+        else:
+            raise DFlashError(f"{path} line {k + 1} has neither 'prompt' nor 'messages'.")
+    return items[:limit] if limit else items
+
+
+# ---- metric arithmetic ------------------------------------------------------------------------------------
+@dataclass
+class Turn:
+    """One generated turn of one method."""
+
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)  # per verify cycle (empty for non-speculative peers)
+    new_tokens: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+
+
+def aggregate(turns: list[Turn], block_size: int) -> dict:
+    """tau over all cycles of all turns; acceptance[j] = share of cycles accepting >= j+1 drafts."""
+    cycles = [a for t in turns for a in t.accepted]
+    n = len(cycles)
+    tau = sum(a + 1 for a in cycles) / n if n else 1.0
+    acc = [sum(a > j for a in cycles) / n for j in range(block_size - 1)] if n else []
+    hist = [0] * block_size
+    for a in cycles:
+        hist[a] += 1
+    tok = sum(t.new_tokens - 1 for t in turns if t.new_tokens > 1)
+    dec = sum(t.decode_s for t in turns if t.new_tokens > 1)
+    tps = tok / dec if dec > 0 else 0.0
+    return {"tau": round(tau, 4), "acceptance": [round(x, 4) for x in acc], "accepted_length_histogram": hist,
+            "tokens_per_s": round(tps, 3), "tpot_ms": round(1000 / tps, 3) if tps else None,
+            "ttft_ms": round(1000 * statistics.median(t.ttft_s for t in turns), 3) if turns else None,
+            "turns": len(turns), "new_tokens": sum(t.new_tokens for t in turns)}
+
+
+def near_tie_threshold(top1: float, dtype: torch.dtype) -> float:
+    """Largest top-2 gap that still counts as a tie of rounding: 2 ulps of the top logit in half precision,
+    1e-3 in float32 (the project's convention), 1e-9 in float64."""
+    if dtype in (torch.bfloat16, torch.float16):
+        mant = 7 if dtype == torch.bfloat16 else 10
+        return 2 * 2.0 ** (math.floor(math.log2(max(abs(top1), 1e-30))) - mant)
+    return 1e-3 if dtype == torch.float32 else 1e-9
+
+
+# ---- methods ----------------------------------------------------------------------------------------------
+class EngineMethod:
+    def __init__(self, engine, block_size: int, sampling, name: str):
+        self.engine, self.block_size, self.sampling, self.name = engine, block_size, sampling, name
+
+    def run(self, prompt_ids: list[list[int]], max_new: int) -> list[Turn]:
+        gens = self.engine.generate(prompt_ids, sampling=self.sampling, max_new_tokens=max_new, block_size=self.block_size)
+        return [Turn(g.tokens, list(g.stats.accepted) if self.block_size > 1 else [], g.stats.new_tokens,
+                     g.stats.ttft_s, g.stats.decode_s) for g in gens]
+
+
+class HFMethod:
+    """transformers `generate` (greedy or sampled), optionally with prompt-lookup decoding."""
+
+    def __init__(self, target, sampling, name: str, lookup: int | None = None, eos: int | None = None):
+        self.model, self.sampling, self.name, self.lookup, self.eos = target.model, sampling, name, lookup, eos
+
+    def run(self, prompt_ids: list[list[int]], max_new: int) -> list[Turn]:
+        out = []
+        for p in prompt_ids:
+            ids = torch.tensor([p], device=self.model.device)
+            kw = dict(max_new_tokens=max_new, do_sample=not self.sampling.greedy, eos_token_id=self.eos,
+                      pad_token_id=self.eos if self.eos is not None else 0)
+            if not self.sampling.greedy:
+                kw.update(temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k or None)
+            if self.lookup:
+                kw["prompt_lookup_num_tokens"] = self.lookup
+            t0 = time.perf_counter()
+            # An explicit all-ones mask: SmolLM2's pad id equals EOS, and without it generate() masks prompt tokens.
+            first = self.model.generate(ids, attention_mask=torch.ones_like(ids), **{**kw, "max_new_tokens": 1})
+            t1 = time.perf_counter()
+            full = self.model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            t2 = time.perf_counter()
+            toks = full[0, len(p):].tolist()
+            # decode time = full run minus one prefill-and-first-token (measured separately)
+            out.append(Turn(toks, [], len(toks), t1 - t0, max(t2 - t1 - (t1 - t0), 1e-9)))
+            del first
+        return out
+
+
+# ---- the runner -------------------------------------------------------------------------------------------
+@dataclass
+class BenchConfig:
+    datasets: list[str]
+    prompts_file: str | None = None
+    limit: int | None = None
+    max_new_tokens: int = 256
+    block_sizes: list[int] = field(default_factory=lambda: [16])
+    temperature: float = 0.0
+    batch_size: int = 1
+    methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "hf", "hf-lookup"])
+    out: str = "bench/results/latest"
+    target: str | None = None
+    drafter: str | None = None
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    speed_bench_dir: str | None = None
+    command: str = ""
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    from tqdm import tqdm
+
+    from .checkpoint import load_drafter
+    from .engine import DFlashEngine
+    from .loader import encode_chat, load_default_drafter, load_target, parse_dtype
+    from .sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=cfg.temperature)
+    target, tok = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
+    if cfg.drafter:
+        drafter = load_drafter(cfg.drafter, dtype=parse_dtype(cfg.dtype), device=cfg.device)
+    else:
+        drafter, _ = load_default_drafter(target, tok)
+    engine = DFlashEngine(target, drafter, tokenizer=tok)
+    methods, skipped = {}, {}
+    for m in cfg.methods:
+        if m == "ar":
+            methods["ar"] = EngineMethod(engine, 1, sampling, "ar")
+        elif m == "dflash":
+            for b in cfg.block_sizes:
+                methods[f"dflash-b{b}"] = EngineMethod(engine, b, sampling, f"dflash-b{b}")
+        elif m == "hf":
+            methods["hf"] = HFMethod(target, sampling, "hf", eos=tok.eos_token_id)
+        elif m == "hf-lookup":
+            methods["hf-lookup"] = HFMethod(target, sampling, "hf-lookup", lookup=10, eos=tok.eos_token_id)
+        elif m in ("llamacpp", "zlab", "vllm", "vllm-dflash"):
+            skipped[m] = (f"method {m!r} is not available in this build of dflashkit's harness yet; "
+                          "see the benchmark issue for its status")
+        else:
+            raise DFlashError(f"unknown method {m!r}; choose from ar, dflash, hf, hf-lookup, llamacpp, zlab.")
+    for m, why in skipped.items():
+        log.warning("skipping %s: %s", m, why)
+    if "ar" not in methods:
+        methods = {"ar": EngineMethod(engine, 1, sampling, "ar"), **methods}
+    sets = {d: load_dataset(d, cfg.limit, cfg.speed_bench_dir) for d in cfg.datasets}
+    if cfg.prompts_file:
+        sets[Path(cfg.prompts_file).stem] = load_prompt_file(cfg.prompts_file, cfg.limit)
+    engine.generate([encode_chat(tok, "Hello")], max_new_tokens=4, block_size=max(cfg.block_sizes))  # warm-up
+    results: dict = {}
+    outputs: dict = {}
+    for dname, items in sets.items():
+        results[dname], outputs[dname] = {}, {}
+        for mname, method in methods.items():
+            turns: list[Turn] = []
+            texts = []
+            for item in tqdm(items, desc=f"{dname}/{mname}", unit="prompt"):
+                history: list[dict] = []
+                for user in item:  # multi-turn: each turn follows the method's OWN previous answer
+                    history.append({"role": "user", "content": user})
+                    t = method.run([encode_chat(tok, history)], cfg.max_new_tokens)[0]
+                    turns.append(t)
+                    texts.append(t.tokens)
+                    history.append({"role": "assistant", "content": tok.decode(t.tokens, skip_special_tokens=True)})
+            bs = method.block_size if isinstance(method, EngineMethod) else 1
+            results[dname][mname] = aggregate(turns, max(bs, 1))
+            outputs[dname][mname] = texts
+        ar = results[dname]["ar"]["tokens_per_s"]
+        for mname, r in results[dname].items():
+            r["speedup_vs_ar"] = round(r["tokens_per_s"] / ar, 4) if ar else None
+            if cfg.temperature == 0 and mname != "ar":
+                r["mismatches_vs_ar"] = mismatches(target, tok, sets[dname], outputs[dname]["ar"], outputs[dname][mname])
+    return {
+        "results": results,
+        "skipped": skipped,
+        "settings": {k: v for k, v in cfg.__dict__.items()},
+        "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "dtype": cfg.dtype, "device": cfg.device},
+        "versions": _versions(),
+    }
+
+
+def mismatches(target, tok, items, ar_outputs, outputs) -> dict:
+    """Greedy outputs that differ from AR; a difference counts as a near-tie when, at the first differing token,
+    the target's top-2 logit gap (one-token decoding of the AR prefix) is within `near_tie_threshold`.
+    Outputs are flat, one per turn in item order. Multi-turn items are compared turn by turn up to the first
+    differing turn (later turns follow different histories)."""
+    from .loader import encode_chat
+
+    total = near = 0
+    off = 0
+    for item in items:
+        history: list[dict] = []
+        for t, user in enumerate(item):
+            a, b = ar_outputs[off + t], outputs[off + t]
+            history.append({"role": "user", "content": user})
+            if a != b:
+                total += 1
+                i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                if i is not None:  # (else one output is a prefix of the other: a stop, not a token choice)
+                    ids = torch.tensor([encode_chat(tok, history) + a[:i]], device=target.device)
+                    with torch.no_grad():
+                        top = target.model(input_ids=ids).logits[0, -1].float().topk(2).values.tolist()
+                    near += top[0] - top[1] <= near_tie_threshold(top[0], target.dtype)
+                break
+            history.append({"role": "assistant", "content": tok.decode(a, skip_special_tokens=True)})
+        off += len(item)
+    return {"count": total, "near_ties": int(near)}
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for p in ("dflashkit", "torch", "transformers"):
+        try:
+            out[p] = md.version(p)
+        except md.PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+# ---- reports ----------------------------------------------------------------------------------------------
+def markdown(report: dict) -> str:
+    lines = ["| dataset | method | tau | tokens/s | speedup vs ar | TPOT ms | TTFT ms | mismatches vs ar (near-ties) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for d, rows in report["results"].items():
+        for m, r in rows.items():
+            mm = r.get("mismatches_vs_ar")
+            mm_s = f"{mm['count']} ({mm['near_ties']})" if mm else "-"
+            lines.append(f"| {d} | {m} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} | "
+                         f"{r['tpot_ms'] or 0:.1f} | {r['ttft_ms'] or 0:.0f} | {mm_s} |")
+    for m, why in report.get("skipped", {}).items():
+        lines.append(f"\nskipped `{m}`: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def plots(report: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    res = report["results"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    datasets = list(res)
+    methods = sorted({m for r in res.values() for m in r})
+    w = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        ax.bar([k + i * w for k in range(len(datasets))], [res[d].get(m, {}).get("speedup_vs_ar") or 0 for d in datasets],
+               width=w, label=m)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([k + w * (len(methods) - 1) / 2 for k in range(len(datasets))], datasets)
+    ax.set_ylabel("speedup vs ar (same engine)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "speedup.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for d, rows in res.items():
+        for m, r in rows.items():
+            if r["acceptance"]:
+                ax.plot(range(1, len(r["acceptance"]) + 1), r["acceptance"], marker="o", label=f"{d} {m} (tau {r['tau']:.2f})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("cumulative acceptance")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "acceptance.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def write_report(report: dict, out_dir: str | Path) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    md = markdown(report)
+    (out / "results.md").write_text(f"# Benchmark\n\n`{report['settings'].get('command', '')}`\n\n" + md)
+    plots(report, out)
+    return report

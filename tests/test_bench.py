@@ -1,0 +1,87 @@
+"""The benchmark harness: dataset loaders, metric arithmetic, near-tie rule, report schema."""
+
+import json
+
+import pytest
+import torch
+
+from dflashkit import DFlashError
+from dflashkit.bench import (BenchConfig, Turn, aggregate, load_dataset, load_prompt_file, markdown,
+                             near_tie_threshold, run_bench, write_report)
+
+
+def test_dataset_loaders():
+    he = load_dataset("humaneval")
+    assert len(he) == 164 and all(len(x) == 1 and "def " in x[0] for x in he)
+    mt = load_dataset("mt-bench")
+    assert len(mt) == 80 and all(len(x) == 2 for x in mt)
+    assert len(load_dataset("math")) == 30 and "boxed" in load_dataset("math")[0][0]
+    assert len(load_dataset("humaneval", limit=5)) == 5
+    with pytest.raises(DFlashError, match="speed-bench-dir"):
+        load_dataset("speed-bench")
+    with pytest.raises(DFlashError, match="unknown dataset"):
+        load_dataset("gsm9k")
+
+
+def test_heldout_split_is_disjoint_from_training():
+    from dflashkit.data import build_prompts
+    records, report = build_prompts()
+    held = [r for r in records if r["split"] == "heldout"]
+    assert len(load_dataset("sharegpt-heldout")) == len(held) == report["heldout"] > 300
+    assert not {r["id"] for r in held} & {r["id"] for r in records if r["split"] == "train"}
+
+
+def test_prompt_file_and_speed_bench_dir(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n\n{"messages": [{"role": "user", "content": "b"}, {"role": "assistant", "content": "x"},'
+                 ' {"role": "user", "content": "c"}]}\n')
+    assert load_prompt_file(str(f)) == [["a"], ["b", "c"]]
+    f.write_text('{"prompt": "a"}\nnot json\n')
+    with pytest.raises(DFlashError, match="line 2"):
+        load_prompt_file(str(f))
+    (tmp_path / "sb").mkdir()
+    (tmp_path / "sb" / "qa.jsonl").write_text('{"prompt": "q1"}\n{"turns": ["t1", "t2"]}\n')
+    assert load_dataset("speed-bench", speed_bench_dir=str(tmp_path / "sb")) == [["q1"], ["t1", "t2"]]
+
+
+def test_metric_arithmetic():
+    turns = [Turn([1] * 9, accepted=[3, 0, 1], new_tokens=9, ttft_s=0.1, decode_s=1.0),
+             Turn([1] * 5, accepted=[0, 2], new_tokens=5, ttft_s=0.3, decode_s=1.0)]
+    r = aggregate(turns, block_size=4)
+    assert r["tau"] == pytest.approx((4 + 1 + 2 + 1 + 3) / 5)  # a + 1 per cycle: the bonus token counts
+    assert r["acceptance"] == pytest.approx([3 / 5, 2 / 5, 1 / 5])  # cumulative: cycles accepting >= j+1 drafts
+    assert 1 + sum(r["acceptance"]) == pytest.approx(r["tau"])
+    assert r["accepted_length_histogram"] == [2, 1, 1, 1] and sum(r["accepted_length_histogram"]) == 5
+    assert r["tokens_per_s"] == pytest.approx((8 + 4) / 2.0) and r["ttft_ms"] == pytest.approx(200.0)
+    assert aggregate([Turn([1, 2], new_tokens=2, decode_s=0.5)], 1)["tau"] == 1.0
+
+
+def test_near_tie_threshold():
+    assert near_tie_threshold(20.0, torch.bfloat16) == pytest.approx(0.25)  # 2 ulps at 16..32 (7-bit mantissa)
+    assert near_tie_threshold(3.0, torch.bfloat16) == pytest.approx(2 * 2 ** -6)
+    assert near_tie_threshold(20.0, torch.float32) == 1e-3
+    assert near_tie_threshold(20.0, torch.float64) == 1e-9
+
+
+@pytest.mark.real
+def test_report_schema_on_the_real_target(tmp_path):
+    cfg = BenchConfig(datasets=["humaneval", "mt-bench"], limit=1, max_new_tokens=6, block_sizes=[4],
+                      methods=["ar", "dflash", "hf", "hf-lookup"], out=str(tmp_path), dtype="float32",
+                      command="dflashkit bench (test)")
+    report = write_report(run_bench(cfg), tmp_path)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["settings"]["command"] == "dflashkit bench (test)"
+    assert {"platform", "threads", "torch", "dtype"} <= set(saved["machine"]) and saved["versions"]["torch"]
+    for d in ("humaneval", "mt-bench"):
+        assert set(saved["results"][d]) == {"ar", "dflash-b4", "hf", "hf-lookup"}
+        for m, r in saved["results"][d].items():
+            assert {"tau", "tokens_per_s", "speedup_vs_ar", "tpot_ms", "ttft_ms", "acceptance",
+                    "accepted_length_histogram"} <= set(r)
+            if m != "ar":
+                assert set(r["mismatches_vs_ar"]) == {"count", "near_ties"}
+        assert saved["results"][d]["ar"]["speedup_vs_ar"] == 1.0
+        dfl = saved["results"][d]["dflash-b4"]
+        assert len(dfl["acceptance"]) == 3 and 1 + sum(dfl["acceptance"]) == pytest.approx(dfl["tau"], abs=1e-3)
+    assert saved["results"]["mt-bench"]["ar"]["turns"] == 2  # both turns ran
+    assert (tmp_path / "speedup.png").stat().st_size > 1000 and (tmp_path / "acceptance.png").exists()
+    assert "| humaneval | dflash-b4 |" in markdown(report)
