@@ -254,6 +254,19 @@ def run_bench(cfg: BenchConfig) -> dict:
     }
 
 
+def first_divergence(target, prompt: list[int], a: list[int], b: list[int]) -> dict | None:
+    """Where two greedy continuations part, and the target's top-2 logit gap there (one-token decoding of the
+    common prefix). None when they do not part at a token choice (equal, or one is a prefix: a stop)."""
+    i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if i is None:
+        return None
+    ids = torch.tensor([prompt + a[:i]], device=target.device)
+    with torch.no_grad():
+        top = target.model(input_ids=ids).logits[0, -1].float().topk(2).values.tolist()
+    limit = near_tie_threshold(top[0], target.dtype)
+    return {"index": i, "gap": top[0] - top[1], "threshold": limit, "near_tie": top[0] - top[1] <= limit}
+
+
 def mismatches(target, tok, items, ar_outputs, outputs) -> dict:
     """Greedy outputs that differ from AR; a difference counts as a near-tie when, at the first differing token,
     the target's top-2 logit gap (one-token decoding of the AR prefix) is within `near_tie_threshold`.
@@ -270,12 +283,8 @@ def mismatches(target, tok, items, ar_outputs, outputs) -> dict:
             history.append({"role": "user", "content": user})
             if a != b:
                 total += 1
-                i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                if i is not None:  # (else one output is a prefix of the other: a stop, not a token choice)
-                    ids = torch.tensor([encode_chat(tok, history) + a[:i]], device=target.device)
-                    with torch.no_grad():
-                        top = target.model(input_ids=ids).logits[0, -1].float().topk(2).values.tolist()
-                    near += top[0] - top[1] <= near_tie_threshold(top[0], target.dtype)
+                d = first_divergence(target, encode_chat(tok, history), a, b)
+                near += d is not None and d["near_tie"]
                 break
             history.append({"role": "assistant", "content": tok.decode(a, skip_special_tokens=True)})
         off += len(item)

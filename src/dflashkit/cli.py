@@ -64,6 +64,9 @@ def cmd_generate(args) -> int:
         stats["ar_tokens_per_s"] = round(ar.stats.tokens_per_s, 3)
         stats["speedup_vs_ar"] = round(g.stats.tokens_per_s / ar.stats.tokens_per_s, 3) if ar.stats.tokens_per_s else None
         stats["identical_to_ar"] = ar.tokens == g.tokens
+        if not stats["identical_to_ar"]:
+            from .bench import first_divergence
+            stats["first_difference"] = first_divergence(engine.target, ids, ar.tokens, g.tokens)
     if args.json:
         print(json.dumps({"text": g.text, "stats": stats}))
         return 0
@@ -78,6 +81,12 @@ def cmd_generate(args) -> int:
     if "ar_tokens_per_s" in stats:
         print(f"[stats] autoregressive (block size 1, same engine): {stats['ar_tokens_per_s']:.1f} tok/s -> "
               f"speedup {stats['speedup_vs_ar']}x; identical output: {stats['identical_to_ar']}")
+        d = stats.get("first_difference")
+        if d:
+            print(f"[stats] the outputs part at token {d['index']}, where the target's top-2 logits differ by "
+                  f"{d['gap']:.4f} ({'a near-tie' if d['near_tie'] else 'NOT a near-tie'}: {args.dtype} rounds a block "
+                  f"forward differently from a one-token forward; limit {d['threshold']:.4f}). "
+                  "Use --dtype float32 for bit-closer paths.")
     return 0
 
 
