@@ -4,7 +4,7 @@ import torch
 
 from conftest import make_drafter, make_target
 from dflashkit.cache import PositionCache
-from dflashkit.objective import block_mask, build_blocks, decay_weights, drafter_logits_input, sample_anchors
+from dflashkit.objective import block_mask, build_blocks, decay_weights, training_forward, sample_anchors
 
 
 def reference_mask(anchors, valid, S, Bq):
@@ -71,7 +71,7 @@ def test_training_forward_equals_inference_forward():
     anchors, valid = sample_anchors(lm, 5, torch.Generator().manual_seed(3))
     taps = t.taps(ids)
     blocks = build_blocks(ids, lm, anchors, valid, Bq, dr.config.mask_token_id, 7.0)
-    train_h = drafter_logits_input(dr, t.embed, taps, blocks)
+    train_h = training_forward(dr, t.embed, taps, blocks)
     c = dr.config
     for n, a in enumerate(anchors[0].tolist()):
         cache = PositionCache(c.num_hidden_layers, 1, c.num_key_value_heads, 64, c.head_dim, t.dtype, torch.device("cpu"))

@@ -88,7 +88,7 @@ def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torc
                   w.view(B, -1), block_mask(anchors, valid, S, Bq))
 
 
-def drafter_logits_input(drafter: DFlashDrafter, embed, taps: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+def training_forward(drafter: DFlashDrafter, embed, taps: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     """The training forward: context = fused features of ALL positions, queries = all blocks.
 
     taps: [B, S, k*H]. Returns hidden states [B, N*Bq, H] for the block slots.

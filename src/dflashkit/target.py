@@ -59,6 +59,7 @@ class Target:
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._taps: dict[int, torch.Tensor] = {}
+        self._capture = False  # hooks record tapped outputs only inside forward()/taps()
         self.tap_ids: list[int] = []
         self.set_taps(tap_ids or [])
 
@@ -107,13 +108,13 @@ class Target:
                 self._taps[i] = _layer_output(out)
         return hook
 
-    _capture = False
-
     @torch.no_grad()
     def taps(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: [B, S] (right-padded is fine: attention is causal) -> tapped features [B, S, k*H], no cache.
 
         The training path: one plain causal forward over whole sequences."""
+        if not self.tap_ids:
+            raise DFlashError("no tapped layers are set; call set_taps(drafter.config.target_layer_ids) first.")
         self._capture, self._taps = True, {}
         try:
             self.decoder(input_ids=ids, use_cache=False)

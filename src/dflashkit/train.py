@@ -27,7 +27,7 @@ from .config import DFlashConfig
 from .data import TokenShard, load_shards
 from .drafter import DFlashDrafter
 from .errors import DFlashError
-from .objective import build_blocks, dflash_loss, drafter_logits_input, sample_anchors, simulated_tau
+from .objective import build_blocks, dflash_loss, training_forward, sample_anchors, simulated_tau
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def train_step_loss(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: torc
     blocks = build_blocks(ids, loss_mask, anchors, valid, cfg.block_size, drafter_config(drafter).mask_token_id, cfg.gamma)
     head, t2d = vocab if vocab is not None else (None, None)
     with autocast():
-        hidden = drafter_logits_input(drafter, target.embed, taps.to(torch.float32) if not cfg.bf16 else taps, blocks)
+        hidden = training_forward(drafter, target.embed, taps.to(torch.float32) if not cfg.bf16 else taps, blocks)
         return dflash_loss(hidden, blocks, target.lm_head_weight, cfg.block_size, softcap=target.softcap,
                            d2t_head=head, t2d=t2d)
 
@@ -173,7 +173,7 @@ def evaluate(drafter, target, batches: Batches, cfg: TrainConfig, autocast, devi
         anchors, valid = sample_anchors(lm, cfg.num_anchors, gen)
         blocks = build_blocks(ids, lm, anchors, valid, cfg.block_size, raw.config.mask_token_id, cfg.gamma)
         with autocast():
-            hidden = drafter_logits_input(raw, target.embed, taps, blocks)
+            hidden = training_forward(raw, target.embed, taps, blocks)
         if vocab is None:
             pred = target.logits(hidden.to(target.dtype)).argmax(-1)  # [B, N*Bq]
         else:  # drafting over the reduced vocabulary, as inference does
