@@ -162,6 +162,48 @@ class HFMethod:
         return out
 
 
+class ZLabMethod:
+    """Z Lab's reference `dflash` package running OUR drafter (Z Lab format, full vocabulary) in its own
+    virtualenv, through `zlab_worker.py` over a pipe. Greedy only."""
+
+    def __init__(self, python: str, target_dir: str, drafter_dir: str, dtype: str, eos: int, block_size: int, name: str):
+        import subprocess
+
+        self.block_size, self.name = block_size, name
+        src = str(Path(__file__).resolve().parents[1])
+        self.proc = subprocess.Popen([python, "-m", "dflashkit.zlab_worker", target_dir, drafter_dir, dtype, str(eos)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, env={**__import__("os").environ, "PYTHONPATH": src})
+        first = json.loads(self.proc.stdout.readline() or '{"error": "worker died"}')
+        if "error" in first:
+            raise DFlashError(f"the Z Lab package could not load the drafter: {first['error']}")
+
+    def run(self, prompt_ids: list[list[int]], max_new: int) -> list[Turn]:
+        out = []
+        for p in prompt_ids:
+            self.proc.stdin.write(json.dumps({"ids": p, "max_new_tokens": max_new, "block_size": self.block_size}) + "\n")
+            self.proc.stdin.flush()
+            r = json.loads(self.proc.stdout.readline())
+            # Z Lab logs a+1 per cycle (cut at a stop); our `accepted` holds a.
+            out.append(Turn(r["tokens"], [a - 1 for a in r["acceptance_lengths"]], len(r["tokens"]), r["ttft_s"], r["decode_s"]))
+        return out
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def zlab_python() -> str | None:
+    """The interpreter of the Z Lab virtualenv: $DFLASHKIT_ZLAB_PYTHON, else .venv-zlab/ in the repo."""
+    import os
+
+    env = os.environ.get("DFLASHKIT_ZLAB_PYTHON")
+    if env:
+        return env
+    cand = Path(__file__).resolve().parents[2] / ".venv-zlab" / "bin" / "python"
+    return str(cand) if cand.exists() else None
+
+
 # ---- the runner -------------------------------------------------------------------------------------------
 @dataclass
 class BenchConfig:
@@ -208,7 +250,20 @@ def run_bench(cfg: BenchConfig) -> dict:
             methods["hf"] = HFMethod(target, sampling, "hf", eos=tok.eos_token_id)
         elif m == "hf-lookup":
             methods["hf-lookup"] = HFMethod(target, sampling, "hf-lookup", lookup=10, eos=tok.eos_token_id)
-        elif m in ("llamacpp", "zlab", "vllm", "vllm-dflash"):
+        elif m == "zlab":
+            py = zlab_python()
+            if py is None:
+                skipped[m] = "no Z Lab virtualenv: run scripts/zlab-env.sh (or set DFLASHKIT_ZLAB_PYTHON)"
+                continue
+            from .loader import BUNDLED_DRAFTER, resolve_target_dir
+            if drafter.d2t is not None:
+                skipped[m] = "the Z Lab package drafts over the full vocabulary; this drafter has a reduced one"
+                continue
+            for b in cfg.block_sizes:
+                methods[f"zlab-b{b}"] = ZLabMethod(py, str(resolve_target_dir(cfg.target)),
+                                                   cfg.drafter or str(BUNDLED_DRAFTER), cfg.dtype,
+                                                   tok.eos_token_id, b, f"zlab-b{b}")
+        elif m in ("llamacpp", "vllm", "vllm-dflash"):
             skipped[m] = (f"method {m!r} is not available in this build of dflashkit's harness yet; "
                           "see the benchmark issue for its status")
         else:
@@ -236,7 +291,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                     turns.append(t)
                     texts.append(t.tokens)
                     history.append({"role": "assistant", "content": tok.decode(t.tokens, skip_special_tokens=True)})
-            bs = method.block_size if isinstance(method, EngineMethod) else 1
+            bs = getattr(method, "block_size", 1)
             results[dname][mname] = aggregate(turns, max(bs, 1))
             outputs[dname][mname] = texts
         ar = results[dname]["ar"]["tokens_per_s"]
@@ -244,6 +299,9 @@ def run_bench(cfg: BenchConfig) -> dict:
             r["speedup_vs_ar"] = round(r["tokens_per_s"] / ar, 4) if ar else None
             if cfg.temperature == 0 and mname != "ar":
                 r["mismatches_vs_ar"] = mismatches(target, tok, sets[dname], outputs[dname]["ar"], outputs[dname][mname])
+    for method in methods.values():
+        if hasattr(method, "close"):
+            method.close()
     return {
         "results": results,
         "skipped": skipped,
