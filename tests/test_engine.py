@@ -140,11 +140,11 @@ def test_caches_hold_exactly_the_committed_context(arch):
     eng._draft = types.MethodType(draft, eng)
     gen = eng.stream(PROMPTS, max_new_tokens=20)
     for _ in gen:
-        f = stream_locals(gen)
-        if f is None:
+        batch = stream_batch(gen)
+        if batch is None:
             break
-        tcache: PositionCache = f["tcache"]
-        for r, (s, st) in enumerate(zip(f["seqs"], f["starts"])):
+        tcache: PositionCache = batch.tcache
+        for r, (s, st) in enumerate(zip(batch.seqs, batch.starts)):
             if s.finished:  # its row leaves the batch before the next step
                 continue
             committed = s.prompt + s.generated
@@ -156,12 +156,12 @@ def test_caches_hold_exactly_the_committed_context(arch):
     assert checked["draft"] > 10 and checked["target"] > 10
 
 
-def stream_locals(gen):
-    """Locals of the suspended `stream` generator (through torch's inference_mode generator wrapper)."""
+def stream_batch(gen):
+    """The DecodeBatch of a suspended `stream` generator (through torch's inference_mode generator wrapper)."""
     while gen is not None and gen.gi_frame is not None:
         f = gen.gi_frame.f_locals
-        if "tcache" in f:
-            return f
+        if "batch" in f:
+            return f["batch"]
         gen = f.get("gen")
     return None
 
@@ -199,3 +199,35 @@ def test_rows_finishing_at_different_times_in_a_big_batch():
     with_oracle(eng, ref, keep=0.8)
     out = eng.generate(prompts, max_new_tokens=limits)
     assert [g.tokens for g in out] == [a.tokens[:n] for a, n in zip(ar, limits)]
+
+
+def test_sequences_join_and_leave_a_running_batch(arch):
+    """Continuous batching: rows added between steps, and a cancelled row, leave every other row's output
+    exactly what it is alone (float64, greedy, drafts partly accepted)."""
+    from dflashkit.engine import DecodeBatch
+
+    t = make_target(arch)
+    eng = DFlashEngine(t, make_drafter(t, block_size=4), eos_token_ids=[])
+    ar, ref = reference_runs(eng, PROMPTS, 24)
+    with_oracle(eng, ref, keep=0.7)
+    batch = DecodeBatch(eng, 4, max_len=96)
+    got = {i: [] for i in range(4)}
+
+    def collect(outs):
+        for o in outs:
+            got[o.index].extend(o.tokens)
+
+    collect(batch.add([eng.sequence(0, PROMPTS[0], max_new_tokens=24)]))
+    for _ in range(3):
+        collect(batch.step())
+    collect(batch.add([eng.sequence(1, PROMPTS[1], max_new_tokens=24), eng.sequence(2, PROMPTS[2], max_new_tokens=24)]))
+    collect(batch.step())
+    collect(batch.add([eng.sequence(3, PROMPTS[3], max_new_tokens=24)]))
+    collect(batch.step())
+    batch.cancel(1)
+    cut = len(got[1])
+    while batch.alive:
+        collect(batch.step())
+    assert got[0] == ar[0].tokens and got[2] == ar[2].tokens and got[3] == ar[3].tokens
+    assert got[1] == ar[1].tokens[:cut] and 0 < cut < 24
+    assert all(s.finish_reason in ("length", "cancelled") for s in batch.seqs) or not batch.seqs

@@ -45,6 +45,12 @@ class PositionCache:
         self.values = [v.index_select(0, rows) for v in self.values]
         self._rows = torch.arange(rows.numel(), device=rows.device)
 
+    def extend(self, other: "PositionCache") -> None:
+        """Append the rows of `other` (same layers, heads and length): sequences joining a running batch."""
+        self.keys = [torch.cat([a, b]) for a, b in zip(self.keys, other.keys)]
+        self.values = [torch.cat([a, b]) for a, b in zip(self.values, other.values)]
+        self._rows = torch.arange(self.keys[0].shape[0], device=self._rows.device)
+
     # transformers may probe these on a cache object; answer consistently.
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len

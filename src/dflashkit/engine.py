@@ -58,9 +58,13 @@ class _Seq:
     prompt: list[int]
     max_new_tokens: int
     stats: GenerationStats
+    params: SamplingParams = SamplingParams()
+    stop: list[str] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
+    t_arrival: float = 0.0
+    t_first: float = 0.0
 
 
 def check_compatible(drafter: DFlashDrafter, target: Target) -> None:
@@ -120,102 +124,42 @@ class DFlashEngine:
         max_new = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
         if len(params) != n or len(max_new) != n:
             raise DFlashError("give one sampling setting and one max_new_tokens per prompt (or a single one for all).")
-        for m in max_new:
-            if not isinstance(m, int) or m < 1:
-                raise DFlashError(f"max_new_tokens must be an integer >= 1 (got {m}).")
+        stop = [x for x in (stop or []) if x]
         for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise DFlashError(f"prompt {i} is empty; give at least one token.")
-            if len(p) + max_new[i] > self.target.max_positions:
-                raise DFlashError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new[i]} it exceeds the target's "
-                    f"context of {self.target.max_positions} positions. Shorten the prompt or lower max_new_tokens."
-                )
-        stop = [s for s in (stop or []) if s]
+            try:
+                self.validate(p, max_new[i], stop)
+            except DFlashError as e:
+                raise DFlashError(f"prompt {i}: {e}") from None
+
+        now = time.perf_counter()
+        seqs = [_Seq(i, list(p), max_new[i], GenerationStats(block_size=Q, prompt_tokens=len(p)), params[i], stop,
+                     t_arrival=now) for i, p in enumerate(prompts)]
+        batch = DecodeBatch(self, Q, max(len(p) + m for p, m in zip(prompts, max_new)) + Q + 1)
+        yield batch.add(seqs)
+        while batch.alive:
+            yield batch.step()
+
+    def sequence(self, index: int, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(),
+                 max_new_tokens: int = 256, stop: Sequence[str] | None = None, block_size: int | None = None) -> _Seq:
+        """A validated sequence ready to join a `DecodeBatch` (the server's entry point)."""
+        stop = [x for x in (stop or []) if x]
+        self.validate(prompt, max_new_tokens, stop)
+        Q = block_size if block_size is not None else self.block_size
+        return _Seq(index, list(prompt), max_new_tokens, GenerationStats(block_size=Q, prompt_tokens=len(prompt)),
+                    sampling, stop, t_arrival=time.perf_counter())
+
+    def validate(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[str] | None = None) -> None:
+        """Raise DFlashError if one request cannot run (the server checks requests before queueing them)."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise DFlashError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens}).")
+        if len(prompt) == 0:
+            raise DFlashError("the prompt is empty; give at least one token.")
+        if len(prompt) + max_new_tokens > self.target.max_positions:
+            raise DFlashError(
+                f"the prompt has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it exceeds the target's "
+                f"context of {self.target.max_positions} positions. Shorten the prompt or lower max_new_tokens.")
         if stop and self.tokenizer is None:
             raise DFlashError("stop strings need a tokenizer; create the engine with one.")
-
-        t0 = time.perf_counter()
-        dev, tgt = self.target.device, self.target
-        seqs = [_Seq(i, list(p), max_new[i], GenerationStats(block_size=Q, prompt_tokens=len(p))) for i, p in enumerate(prompts)]
-        sampler = Sampler(params, dev)
-        lens = [len(p) for p in prompts]
-        P = max(lens)
-        max_len = max(l + m for l, m in zip(lens, max_new)) + Q + 1
-        use_draft = Q > 1
-        tcache = tgt.new_cache(n, max_len)
-        dcache = self._draft_cache(n, max_len) if use_draft else None
-
-        # ---- prefill: right-padded prompts at positions 0..P-1 (padding slots are never visible, see cache.py)
-        ids = torch.zeros((n, P), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
-        ids = ids.to(dev)
-        pos = torch.arange(P, device=dev).expand(n, P)
-        hidden, feats = tgt.forward(ids, pos, tcache, kv_len=P, taps=use_draft)
-        last = torch.tensor(lens, device=dev) - 1
-        first = sampler(tgt.logits(hidden[torch.arange(n, device=dev), last][:, None]))[:, 0]  # [n]
-        start = last + 1  # [n] anchor position = committed tokens with target K/V
-        anchor = first
-        pend_feats, pend_pos = feats, pos  # context features not yet in the draft cache
-        starts = list(lens)  # host copy of `start`
-        host_first = first.tolist()
-        t_first = time.perf_counter()
-        out = []
-        for s, tok in zip(seqs, host_first):
-            s.stats.ttft_s = t_first - t0
-            out.append(self._commit(s, [tok], stop))
-        alive = self._prune(seqs)
-        yield out
-        arange_q = torch.arange(Q, device=dev)
-
-        while alive:
-            # Finished rows leave the batch, but compaction copies every cache, so a big batch waits until a
-            # quarter of its rows are done; until then they ride along frozen (start does not advance).
-            if len(alive) < len(seqs) and (len(seqs) - len(alive)) * 4 >= len(seqs):
-                keep = [i for i, s in enumerate(seqs) if not s.finished]
-                rows = torch.tensor(keep, device=dev)
-                tcache.select(rows)
-                if dcache is not None:
-                    dcache.select(rows)
-                start, anchor = start[rows], anchor[rows]
-                if pend_feats is not None:
-                    pend_feats, pend_pos = pend_feats[rows], pend_pos[rows]
-                sampler.select(keep)
-                seqs = [seqs[i] for i in keep]
-                starts = [starts[i] for i in keep]
-            b = len(seqs)
-            live = torch.tensor([not s.finished for s in seqs], device=dev) if len(alive) < b else None
-            blk_pos = start[:, None] + arange_q  # [b, Q] positions of the block
-            if use_draft:
-                drafts = self._draft(dcache, pend_feats, pend_pos, anchor, blk_pos, start, max(starts), seqs)
-                ids = torch.cat([anchor[:, None], drafts], dim=1)  # [b, Q]
-            else:
-                ids = anchor[:, None]
-            hidden, feats = tgt.forward(ids, blk_pos, tcache, kv_len=max(starts) + Q, taps=use_draft)
-            choices = sampler(tgt.logits(hidden))  # [b, Q] target's own token for positions start+1 .. start+Q
-            acc = accepted_lengths(ids[:, 1:], choices) if use_draft else torch.zeros(b, dtype=torch.long, device=dev)
-            host = torch.cat([choices, acc[:, None].to(choices.dtype)], dim=1).tolist()  # the one host sync
-            # Commit: tokens p_0..p_a (d_1..d_a equal p_0..p_{a-1}); the bonus p_a is the next anchor.
-            anchor = choices.gather(1, acc[:, None].long())[:, 0]
-            step = acc.long() + 1
-            start = start + (step if live is None else step * live)
-            # Features of the whole block go to the draft cache next step; rows past the accepted prefix sit
-            # at positions >= the new start, invisible until those positions are committed and rewritten.
-            pend_feats, pend_pos = feats, blk_pos
-            now = time.perf_counter()
-            out = []
-            for i, (s, row) in enumerate(zip(seqs, host)):
-                if s.finished:
-                    continue
-                a = int(row[-1])
-                starts[i] += a + 1
-                s.stats.accepted.append(a)
-                out.append(self._commit(s, row[: a + 1], stop))
-                s.stats.decode_s = now - t_first
-            alive = self._prune(seqs)
-            yield out
-        log.debug("stream done in %.3fs", time.perf_counter() - t0)
 
     def _draft_cache(self, n: int, max_len: int) -> PositionCache:
         c = self.drafter.config
@@ -248,7 +192,7 @@ class DFlashEngine:
         drafts = self.target.logits(h[:, 1:], self._draft_head).argmax(-1)
         return self._d2t[drafts] if self._d2t is not None else drafts
 
-    def _commit(self, s: _Seq, tokens: list[int], stop: list[str]) -> StepOutput:
+    def _commit(self, s: _Seq, tokens: list[int]) -> StepOutput:
         """Append tokens to `s`, cutting at EOS, max_new_tokens, or a stop string (also mid-block)."""
         before = len(s.generated)
         for tok in tokens:
@@ -259,8 +203,8 @@ class DFlashEngine:
             if len(s.generated) >= s.max_new_tokens:
                 s.finished, s.finish_reason = True, "length"
                 break
-        if stop:
-            cut = self._stop_cut(s.generated, before, stop)
+        if s.stop:
+            cut = self._stop_cut(s.generated, before, s.stop)
             if cut is not None:
                 del s.generated[cut:]
                 s.finished, s.finish_reason = True, "stop"
@@ -278,10 +222,6 @@ class DFlashEngine:
             if any(x in dec(gen[lo:k]) for x in stop):
                 return k
         return None
-
-    @staticmethod
-    def _prune(seqs: list[_Seq]) -> list[_Seq]:
-        return [s for s in seqs if not s.finished]
 
     # ---------------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> list[Generation]:
@@ -306,3 +246,144 @@ class DFlashEngine:
             if x and x in text:
                 text = text[: text.index(x)]
         return text
+
+
+class DecodeBatch:
+    """The running batch: the device state of every sequence in it plus their host-side records.
+
+    Sequences join between steps (`add`: prefilled on their own, then concatenated) and leave between steps
+    (finished or cancelled rows are dropped by `index_select`). `DFlashEngine.stream` runs one closed batch
+    through it; the server keeps one open and lets requests come and go (continuous batching).
+    """
+
+    def __init__(self, engine: DFlashEngine, block_size: int, max_len: int):
+        self.engine, self.Q, self.max_len = engine, block_size, max_len
+        self.use_draft = block_size > 1
+        self.seqs: list[_Seq] = []
+        self.starts: list[int] = []  # host copy of `start`
+        self.tcache = self.dcache = self.sampler = None
+        self.start = self.anchor = self.pend_feats = self.pend_pos = None
+        self._arange_q = torch.arange(block_size, device=engine.target.device)
+
+    @property
+    def alive(self) -> bool:
+        return any(not s.finished for s in self.seqs)
+
+    def cancel(self, index: int) -> None:
+        """Stop a sequence (e.g. its client went away); its row leaves the batch at the next compaction."""
+        for s in self.seqs:
+            if s.index == index and not s.finished:
+                s.finished, s.finish_reason = True, "cancelled"
+
+    @torch.inference_mode()
+    def add(self, seqs: list[_Seq]) -> list[StepOutput]:
+        """Prefill new sequences and join them to the batch; returns their first tokens."""
+        eng, tgt = self.engine, self.engine.target
+        dev, n, Q = tgt.device, len(seqs), self.Q
+        lens = [len(s.prompt) for s in seqs]
+        P = max(lens)
+        if P + Q + 1 > self.max_len or any(l + s.max_new_tokens + Q + 1 > self.max_len for l, s in zip(lens, seqs)):
+            raise DFlashError(f"a request needs more than the batch's {self.max_len} cache positions; "
+                              "shorten the prompt or lower max_new_tokens.")
+        tcache = tgt.new_cache(n, self.max_len)
+        # Right-padded prompts at positions 0..P-1 (padding slots are never visible, see cache.py).
+        ids = torch.zeros((n, P), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : lens[i]] = torch.tensor(s.prompt, dtype=torch.long)
+        pos = torch.arange(P, device=dev).expand(n, P)
+        hidden, feats = tgt.forward(ids.to(dev), pos, tcache, kv_len=P, taps=self.use_draft)
+        last = torch.tensor(lens, device=dev) - 1
+        sampler = Sampler([s.params for s in seqs], dev)
+        first = sampler(tgt.logits(hidden[torch.arange(n, device=dev), last][:, None]))[:, 0]  # [n]
+        dcache = pend_feats = pend_pos = None
+        if self.use_draft:
+            # The prompt's features go into the new rows' draft cache right away. What stays "pending" for
+            # the next draft call is a harmless rewrite: the last prompt feature at its own position, Q times,
+            # so that pending rows have the same width (Q) for every sequence in the batch.
+            dcache = eng._draft_cache(n, self.max_len)
+            dr = eng.drafter
+            for layer, (k, v) in enumerate(dr.context_kv(dr.fuse(feats), pos)):
+                dcache.write(layer, k, v, pos)
+            rows = torch.arange(n, device=dev)
+            pend_feats = feats[rows, last][:, None].expand(n, Q, feats.shape[-1]).contiguous()
+            pend_pos = last[:, None].expand(n, Q).contiguous()
+        self._join(seqs, tcache, dcache, sampler, last + 1, first, pend_feats, pend_pos, lens)
+        host_first = first.tolist()
+        now = time.perf_counter()
+        out = []
+        for s, tok in zip(seqs, host_first):
+            s.t_first = now
+            s.stats.ttft_s = now - s.t_arrival
+            out.append(eng._commit(s, [tok]))
+        return out
+
+    def _join(self, seqs, tcache, dcache, sampler, start, anchor, pend_feats, pend_pos, starts) -> None:
+        if not self.seqs:
+            self.seqs, self.starts = list(seqs), list(starts)
+            self.tcache, self.dcache, self.sampler = tcache, dcache, sampler
+            self.start, self.anchor, self.pend_feats, self.pend_pos = start, anchor, pend_feats, pend_pos
+            return
+        self.tcache.extend(tcache)
+        if dcache is not None:
+            self.dcache.extend(dcache)
+            self.pend_feats = torch.cat([self.pend_feats, pend_feats])
+            self.pend_pos = torch.cat([self.pend_pos, pend_pos])
+        self.sampler.extend(sampler)
+        self.start, self.anchor = torch.cat([self.start, start]), torch.cat([self.anchor, anchor])
+        self.seqs += seqs
+        self.starts += list(starts)
+
+    def _compact(self) -> None:
+        keep = [i for i, s in enumerate(self.seqs) if not s.finished]
+        rows = torch.tensor(keep, dtype=torch.long, device=self.engine.target.device)
+        self.tcache.select(rows)
+        if self.dcache is not None:
+            self.dcache.select(rows)
+            self.pend_feats, self.pend_pos = self.pend_feats[rows], self.pend_pos[rows]
+        self.start, self.anchor = self.start[rows], self.anchor[rows]
+        self.sampler.select(keep)
+        self.seqs = [self.seqs[i] for i in keep]
+        self.starts = [self.starts[i] for i in keep]
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """One draft -> verify -> commit cycle for every sequence in the batch."""
+        eng, tgt, Q = self.engine, self.engine.target, self.Q
+        n_alive = sum(not s.finished for s in self.seqs)
+        # Finished rows leave the batch, but compaction copies every cache, so a big batch waits until a
+        # quarter of its rows are done; until then they ride along frozen (start does not advance).
+        if n_alive < len(self.seqs) and (n_alive == 0 or (len(self.seqs) - n_alive) * 4 >= len(self.seqs)):
+            self._compact()
+        if not self.seqs:
+            return []
+        b, dev = len(self.seqs), tgt.device
+        live = torch.tensor([not s.finished for s in self.seqs], device=dev) if n_alive < b else None
+        blk_pos = self.start[:, None] + self._arange_q  # [b, Q] positions of the block
+        if self.use_draft:
+            drafts = eng._draft(self.dcache, self.pend_feats, self.pend_pos, self.anchor, blk_pos, self.start,
+                                max(self.starts), self.seqs)
+            ids = torch.cat([self.anchor[:, None], drafts], dim=1)  # [b, Q]
+        else:
+            ids = self.anchor[:, None]
+        hidden, feats = tgt.forward(ids, blk_pos, self.tcache, kv_len=max(self.starts) + Q, taps=self.use_draft)
+        choices = self.sampler(tgt.logits(hidden))  # [b, Q] the target's own token for positions start+1 .. start+Q
+        acc = accepted_lengths(ids[:, 1:], choices) if self.use_draft else torch.zeros(b, dtype=torch.long, device=dev)
+        host = torch.cat([choices, acc[:, None].to(choices.dtype)], dim=1).tolist()  # the one host sync
+        # Commit: tokens p_0..p_a (d_1..d_a equal p_0..p_{a-1}); the bonus p_a is the next anchor.
+        self.anchor = choices.gather(1, acc[:, None].long())[:, 0]
+        step = acc.long() + 1
+        self.start = self.start + (step if live is None else step * live)
+        # Features of the whole block go to the draft cache next step; rows past the accepted prefix sit
+        # at positions >= the new start, invisible until those positions are committed and rewritten.
+        self.pend_feats, self.pend_pos = feats, blk_pos
+        now = time.perf_counter()
+        out = []
+        for i, (s, row) in enumerate(zip(self.seqs, host)):
+            if s.finished:
+                continue
+            a = int(row[-1])
+            self.starts[i] += a + 1
+            s.stats.accepted.append(a)
+            out.append(eng._commit(s, row[: a + 1]))
+            s.stats.decode_s = now - s.t_first
+        return out

@@ -61,6 +61,11 @@ class Sampler:
         self.generators = [self.generators[i] for i in rows]
         self._refresh()
 
+    def extend(self, other: "Sampler") -> None:
+        self.params += other.params
+        self.generators += other.generators
+        self._refresh()
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [B, Q, V] -> the target's sampling distribution [B, Q, V] (float32) for sampled rows."""
         x = logits.float() / self.temperature[:, None, None]
