@@ -139,6 +139,24 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .server import build_app
+
+    engine, tok, trained = load_models(args)
+    if tok is None:
+        raise DFlashError("the server needs the target's tokenizer; give a target directory that has one.")
+    block = args.block_size if args.block_size is not None else engine.block_size
+    engine.block_size = engine._check_block_size(block)
+    name = args.model_name or ("smollm2-135m-instruct-dflash" if args.target is None else str(args.target))
+    app = build_app(engine, tok, name, block, max_batch=args.max_batch, max_queue=args.max_queue, max_len=args.max_len)
+    log.info("serving %s (block size %d, drafter %s) on http://%s:%d", name, block,
+             "trained" if trained else "UNTRAINED", args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflashkit", description="DFlash block-diffusion speculative decoding.")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -191,6 +209,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--speed-bench-dir", default=None)
     _add_model_flags(b)
     b.set_defaults(func=cmd_bench)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
+    _add_model_flags(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--block-size", type=int, default=None)
+    sv.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
+    sv.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    sv.add_argument("--max-len", type=int, default=2048, help="context per sequence (prompt + max_tokens)")
+    sv.add_argument("--model-name", default=None)
+    sv.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("train", help="train a drafter from a recipe file")
     t.add_argument("--config", required=True, help="JSON recipe (every TrainConfig field)")

@@ -1,0 +1,162 @@
+"""The OpenAI-compatible server, driven by the real `openai` client over loopback (real SmolLM2, float32)."""
+
+import json
+import socket
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytestmark = pytest.mark.real
+
+PROMPTS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.",
+           "What is 2 + 2?", "Say hello in Spanish.", "List two fruits.", "What is Python?", "Define gravity briefly."]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    import uvicorn
+
+    from dflashkit import DFlashEngine
+    from dflashkit.loader import load_default_drafter, load_target
+    from dflashkit.server import build_app
+
+    target, tok = load_target(dtype="float32")
+    drafter, _ = load_default_drafter(target, tok)
+    engine = DFlashEngine(target, drafter, tokenizer=tok, block_size=8)
+    app = build_app(engine, tok, "smollm2-test", block_size=8, max_batch=8, max_queue=16, max_len=1024)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.time() + 60
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    yield {"url": f"http://127.0.0.1:{port}", "engine": engine, "tok": tok, "app": app}
+    srv.should_exit = True
+    th.join(30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+    return OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def alone(server, prompt, n):
+    from dflashkit.loader import encode_chat
+    eng, tok = server["engine"], server["tok"]
+    return eng.generate([encode_chat(tok, prompt)], max_new_tokens=n)[0].text
+
+
+def test_chat_non_streaming_and_streaming(server, client):
+    r = client.chat.completions.create(model="smollm2-test", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                       max_tokens=24, temperature=0)
+    text = r.choices[0].message.content
+    assert "Paris" in text and r.usage.completion_tokens <= 24 and r.choices[0].finish_reason in ("stop", "length")
+    assert r.model_extra["dflash"]["tau"] >= 1.0 and len(r.model_extra["dflash"]["acceptance"]) == 7
+    chunks = list(client.chat.completions.create(model="smollm2-test", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                                 max_tokens=24, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_completions_models_health_metrics(server, client):
+    r = client.completions.create(model="smollm2-test", prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert r.choices[0].text and r.usage.completion_tokens <= 6
+    assert [m.id for m in client.models.list().data] == ["smollm2-test"]
+    assert json.loads(urllib.request.urlopen(server["url"] + "/health").read())["status"] == "ok"
+    metrics = urllib.request.urlopen(server["url"] + "/metrics").read().decode()
+    for name in ("dflashkit_requests_total", "dflashkit_generated_tokens_total", "dflashkit_tau",
+                 "dflashkit_accepted_per_position_total", "dflashkit_request_latency_seconds_bucket"):
+        assert name in metrics
+
+
+def test_eight_concurrent_clients_get_what_they_get_alone(server, client):
+    """Lossless under batching: at T=0 each of 8 concurrent requests receives exactly its single-request text."""
+    def ask(p):
+        return client.chat.completions.create(model="smollm2-test", messages=[{"role": "user", "content": p}],
+                                              max_tokens=32, temperature=0).choices[0].message.content
+    with ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(ask, PROMPTS))
+    for p, g in zip(PROMPTS, got):
+        assert g == alone(server, p, 32), p
+
+
+def post(server, body: bytes | str, path="/v1/chat/completions"):
+    req = urllib.request.Request(server["url"] + path, data=body if isinstance(body, bytes) else body.encode(),
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.mark.parametrize("body", [
+    "{not json",
+    '{"messages": []}',
+    '{"messages": [{"role": "user", "content": "hi"}], "temperature": -1}',
+    '{"messages": [{"role": "user", "content": "hi"}], "top_p": 0}',
+    '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}',
+    '{"messages": [{"role": "robot", "content": "hi"}]}',
+    '{"messages": "hi"}',
+    '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}',
+])
+def test_bad_requests_get_openai_style_4xx(server, body):
+    status, payload = post(server, body)
+    assert 400 <= status < 500 and payload["error"]["type"] == "invalid_request_error" and payload["error"]["message"]
+
+
+def test_disconnecting_client_frees_its_slot(server):
+    import http.client
+    host, port = server["url"].removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+        "max_tokens": 900, "temperature": 0, "stream": True}), {"content-type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.read(64)  # the stream started
+    sched = server["app"].state.scheduler
+    assert len(sched.jobs) == 1
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream
+    resp.close()
+    conn.close()
+    deadline = time.time() + 30
+    while sched.jobs and time.time() < deadline:
+        time.sleep(0.1)
+    assert not sched.jobs, "the cancelled request still holds its slot"
+    assert json.loads(urllib.request.urlopen(server["url"] + "/health").read())["running"] == 0
+
+
+def test_fuzzed_request_bodies_never_yield_5xx(server):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalar = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True), st.text(max_size=8))
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"]),
+                                     "content": st.one_of(st.text(max_size=20), scalar)})
+    body = st.fixed_dictionaries({}, optional={
+        "messages": st.one_of(st.lists(message, max_size=3), scalar),
+        "max_tokens": st.one_of(st.integers(-3, 4), scalar),
+        "temperature": st.one_of(st.floats(-2, 3, allow_nan=False), scalar),
+        "top_p": st.one_of(st.floats(-1, 2, allow_nan=False), scalar),
+        "top_k": scalar, "stop": st.one_of(scalar, st.lists(st.text(max_size=3), max_size=2)),
+        "seed": scalar, "stream": st.booleans(), "n": st.integers(0, 3), "model": scalar,
+        "unknown_field": scalar})
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body)
+    def check(b):
+        status, _ = post(server, json.dumps(b).encode())
+        assert status < 500, b
+
+    check()
