@@ -236,13 +236,17 @@ def run_bench(cfg: BenchConfig) -> dict:
     target, tok = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device)
     if cfg.drafter:
         drafter = load_drafter(cfg.drafter, dtype=parse_dtype(cfg.dtype), device=cfg.device)
-    else:
+    elif cfg.target is None:
         drafter, _ = load_default_drafter(target, tok)
+    else:  # the bundled drafter is SmolLM2's: a custom target without --drafter runs the non-DFlash methods only
+        drafter = None
     engine = DFlashEngine(target, drafter, tokenizer=tok)
     methods, skipped = {}, {}
     for m in cfg.methods:
         if m == "ar":
             methods["ar"] = EngineMethod(engine, 1, sampling, "ar")
+        elif m == "dflash" and drafter is None:
+            skipped[m] = "no drafter for this target: pass --drafter DIR"
         elif m == "dflash":
             for b in cfg.block_sizes:
                 methods[f"dflash-b{b}"] = EngineMethod(engine, b, sampling, f"dflash-b{b}")
@@ -256,8 +260,9 @@ def run_bench(cfg: BenchConfig) -> dict:
                 skipped[m] = "no Z Lab virtualenv: run scripts/zlab-env.sh (or set DFLASHKIT_ZLAB_PYTHON)"
                 continue
             from .loader import BUNDLED_DRAFTER, resolve_target_dir
-            if drafter.d2t is not None:
-                skipped[m] = "the Z Lab package drafts over the full vocabulary; this drafter has a reduced one"
+            if drafter is None or drafter.d2t is not None:
+                skipped[m] = ("no drafter for this target: pass --drafter DIR" if drafter is None else
+                              "the Z Lab package drafts over the full vocabulary; this drafter has a reduced one")
                 continue
             for b in cfg.block_sizes:
                 methods[f"zlab-b{b}"] = ZLabMethod(py, str(resolve_target_dir(cfg.target)),
