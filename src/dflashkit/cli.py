@@ -157,6 +157,22 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .export import export_speculators, export_zlab
+    from .loader import parse_dtype, resolve_target_dir
+
+    engine, tok, trained = load_models(args)
+    if engine.drafter is None:
+        raise DFlashError("nothing to export: give --drafter DIR (the bundled drafter is for the default target).")
+    dtype = parse_dtype(args.export_dtype)
+    if args.format == "zlab":
+        out = export_zlab(engine.drafter, args.out, dtype)
+    else:
+        out = export_speculators(engine.drafter, engine.target, str(resolve_target_dir(args.target)), args.out, dtype)
+    print(json.dumps({"format": args.format, "out": str(out), "drafter_trained": trained}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflashkit", description="DFlash block-diffusion speculative decoding.")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -220,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-len", type=int, default=2048, help="context per sequence (prompt + max_tokens)")
     sv.add_argument("--model-name", default=None)
     sv.set_defaults(func=cmd_serve)
+
+    ex = sub.add_parser("export", help="write the drafter in the Z Lab or vLLM speculators layout")
+    ex.add_argument("--format", required=True, choices=["zlab", "speculators"])
+    ex.add_argument("--out", required=True)
+    ex.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    _add_model_flags(ex)
+    ex.set_defaults(func=cmd_export, dtype="float32")
 
     t = sub.add_parser("train", help="train a drafter from a recipe file")
     t.add_argument("--config", required=True, help="JSON recipe (every TrainConfig field)")
