@@ -7,8 +7,9 @@ reported as skipped. Checks, for the bundled drafter:
 1. Z Lab's `dflash` 0.1.0 loads the `zlab` export with no missing/unexpected tensor, and its drafter computes
    the same block logits as ours on the same inputs (random context features, [anchor, MASK...] block, float32).
 2. speculators 0.9.0 loads the `speculators` export with no missing/unexpected/mismatched tensor, its draft
-   body equals ours tensor for tensor, its aux layer ids are target_layer_ids + 1, and it reloads the
-   embedding / LM head from the verifier directory named in the config.
+   body equals ours tensor for tensor, its aux layer ids are target_layer_ids + 1, it reloads the
+   embedding / LM head from the verifier directory named in the config, and its own forward (one anchor)
+   computes the same block logits as ours.
 """
 
 from __future__ import annotations
@@ -50,15 +51,34 @@ print(json.dumps({"missing": sorted(info.get("missing_keys") or []), "unexpected
 SPEC_CHECK = r"""
 import json, sys, torch
 from safetensors.torch import load_file
-from speculators.models.dflash import DFlashDraftModel
-m, info = DFlashDraftModel.from_pretrained(sys.argv[1], output_loading_info=True)
+from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+cfg = DFlashSpeculatorConfig.from_pretrained(sys.argv[1])
+cfg.transformer_layer_config._attn_implementation = "sdpa"  # its default (compiled flex attention) is for GPUs
+m, info = DFlashDraftModel.from_pretrained(sys.argv[1], config=cfg, output_loading_info=True)
 m.load_verifier_weights()
+m = m.float().eval()
 sd, ours = m.state_dict(), load_file(sys.argv[1] + "/model.safetensors")
+body = all(torch.equal(sd[k].to(v.dtype), v) for k, v in ours.items())
+# Its training forward with ONE anchor at position S (the only supervised position outside the last block):
+# the block sees context < S, exactly our inference block at S.
+d = torch.load(sys.argv[2])
+taps, block = d["taps"], d["block"]
+S, Q = taps.shape[1], block.shape[1]
+T = S + Q + 1
+hs = torch.cat([taps, torch.randn(1, T - S, taps.shape[-1])], dim=1)
+ids = torch.zeros(1, T, dtype=torch.long)
+ids[0, S] = block[0, 0]
+lm = torch.zeros(1, T)
+lm[0, S] = 1
+with torch.no_grad():
+    _, logits, *_ = m._backbone_forward(hs, ids, lm, torch.randn(1, T, m.config.transformer_layer_config.hidden_size),
+                                        torch.zeros(1, T, dtype=torch.long), max_anchors=1)
 print(json.dumps({"missing": sorted(info.get("missing_keys") or []), "unexpected": sorted(info.get("unexpected_keys") or []),
                   "mismatched": [list(map(str, x)) for x in (info.get("mismatched_keys") or [])],
-                  "body_identical": all(torch.equal(sd[k].to(v.dtype), v) for k, v in ours.items()),
-                  "aux_hidden_state_layer_ids": m.target_layer_ids, "block_size": m.block_size,
-                  "lm_head_loaded": bool(sd["lm_head.weight"].float().abs().sum() > 0)}))
+                  "body_identical": body, "aux_hidden_state_layer_ids": m.target_layer_ids, "block_size": m.block_size,
+                  "lm_head_loaded": bool(sd["lm_head.weight"].float().abs().sum() > 0),
+                  "max_abs_logit_diff": float((logits[0, 1:Q].float() - d["logits"][0]).abs().max()),
+                  "same_argmax": bool(torch.equal(logits[0, 1:Q].argmax(-1), d["logits"][0].argmax(-1)))}))
 """
 
 
@@ -80,7 +100,7 @@ def main() -> int:
     target_dir = resolve_target_dir(None)
     tmp = Path(tempfile.mkdtemp())
     export_zlab(drafter, tmp / "zlab", dtype=torch.float32)
-    export_speculators(drafter, target, str(target_dir), tmp / "spec", dtype=torch.bfloat16)
+    export_speculators(drafter, target, str(target_dir), tmp / "spec", dtype=torch.float32)
     # our block logits for random context features at positions 0..S-1 and a block at S..S+Q-1
     torch.manual_seed(0)
     S, Q, c = 24, drafter.config.block_size, drafter.config
@@ -93,14 +113,15 @@ def main() -> int:
     torch.save({"taps": taps, "block": block, "logits": logits}, tmp / "ref.pt")
     report = {
         "zlab": run(ROOT / ".venv-zlab/bin/python", ZLAB_CHECK, tmp / "ref.pt", tmp / "zlab", target_dir),
-        "speculators": run(ROOT / ".venv-speculators/bin/python", SPEC_CHECK, tmp / "spec"),
+        "speculators": run(ROOT / ".venv-speculators/bin/python", SPEC_CHECK, tmp / "spec", tmp / "ref.pt"),
         "drafter_target_layer_ids": c.target_layer_ids,
     }
     z, s = report["zlab"], report["speculators"]
     report["zlab_pass"] = (not z.get("missing") and not z.get("unexpected") and z.get("max_abs_logit_diff", 1) < 1e-3
                            and bool(z.get("same_argmax")))
     report["speculators_pass"] = (not s.get("missing") and not s.get("unexpected") and not s.get("mismatched")
-                                  and bool(s.get("body_identical"))
+                                  and bool(s.get("body_identical")) and s.get("max_abs_logit_diff", 1) < 1e-3
+                                  and bool(s.get("same_argmax"))
                                   and s.get("aux_hidden_state_layer_ids") == [i + 1 for i in c.target_layer_ids])
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

@@ -160,3 +160,40 @@ def test_fuzzed_request_bodies_never_yield_5xx(server):
         assert status < 500, b
 
     check()
+
+
+def test_full_queue_gets_429_and_shutdown_drains_in_flight_requests():
+    import uvicorn
+
+    from dflashkit import DFlashEngine
+    from dflashkit.loader import load_default_drafter, load_target
+    from dflashkit.server import build_app
+
+    target, tok = load_target(dtype="float32")
+    drafter, _ = load_default_drafter(target, tok)
+    app = build_app(DFlashEngine(target, drafter, tokenizer=tok), tok, "t", block_size=4, max_batch=1, max_queue=1,
+                    max_len=512)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    while not srv.started:
+        time.sleep(0.05)
+    server = {"url": f"http://127.0.0.1:{port}"}
+    body = json.dumps({"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 120,
+                       "temperature": 0})
+    with ThreadPoolExecutor(6) as ex:
+        futures = [ex.submit(post, server, body) for _ in range(6)]
+        statuses = [f.result()[0] for f in futures]
+    assert statuses.count(200) >= 1 and 429 in statuses and set(statuses) <= {200, 429}
+    # shutdown while a request is running: it still completes (drain)
+    sched = app.state.scheduler
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(post, server, body)
+        while not sched.jobs:
+            time.sleep(0.02)
+        srv.should_exit = True
+        status, payload = fut.result(timeout=120)
+    th.join(60)
+    assert status == 200 and payload["choices"][0]["message"]["content"]
+    assert not th.is_alive()
