@@ -66,14 +66,16 @@ def test_near_tie_threshold():
 @pytest.mark.real
 def test_report_schema_on_the_real_target(tmp_path):
     cfg = BenchConfig(datasets=["humaneval", "mt-bench"], limit=1, max_new_tokens=6, block_sizes=[4],
-                      methods=["ar", "dflash", "hf", "hf-lookup"], out=str(tmp_path), dtype="float32",
+                      methods=["ar", "dflash", "hf", "hf-lookup", "llamacpp", "vllm"], out=str(tmp_path), dtype="float32",
                       command="dflashkit bench (test)")
     report = write_report(run_bench(cfg), tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["settings"]["command"] == "dflashkit bench (test)"
     assert {"platform", "threads", "torch", "dtype"} <= set(saved["machine"]) and saved["versions"]["torch"]
+    assert "not implemented" in saved["skipped"]["vllm"]  # an absent peer is skipped with a message, never silently
+    optional = {"llamacpp"} - set(saved["skipped"])
     for d in ("humaneval", "mt-bench"):
-        assert set(saved["results"][d]) == {"ar", "dflash-b4", "hf", "hf-lookup"}
+        assert set(saved["results"][d]) == {"ar", "dflash-b4", "hf", "hf-lookup"} | optional
         for m, r in saved["results"][d].items():
             assert {"tau", "tokens_per_s", "speedup_vs_ar", "tpot_ms", "ttft_ms", "acceptance",
                     "accepted_length_histogram"} <= set(r)

@@ -193,6 +193,33 @@ class ZLabMethod:
         self.proc.wait(timeout=30)
 
 
+class LlamaCppMethod:
+    """llama.cpp greedy decoding of the same GGUF (optional: `scripts/llamacpp-build.sh`). It runs the
+    quantized weights with its own kernels, so its greedy text may part from ours beyond near-ties."""
+
+    def __init__(self, gguf: str, eos: int | None, name: str = "llamacpp"):
+        from llama_cpp import Llama
+
+        self.name, self.eos = name, eos
+        self.llm = Llama(model_path=gguf, n_ctx=4096, n_threads=torch.get_num_threads(), verbose=False)
+
+    def run(self, prompt_ids: list[list[int]], max_new: int) -> list[Turn]:
+        out = []
+        for p in prompt_ids:
+            toks: list[int] = []
+            t0 = time.perf_counter()
+            t_first = t0
+            # repeat_penalty 1.0: llama.cpp's default (1.1) would not be greedy decoding
+            for tok in self.llm.generate(p, temp=0.0, top_k=1, top_p=1.0, repeat_penalty=1.0, reset=True):
+                if not toks:
+                    t_first = time.perf_counter()
+                toks.append(int(tok))
+                if tok == self.eos or len(toks) >= max_new:
+                    break
+            out.append(Turn(toks, [], len(toks), t_first - t0, time.perf_counter() - t_first))
+        return out
+
+
 def zlab_python() -> str | None:
     """The interpreter of the Z Lab virtualenv: $DFLASHKIT_ZLAB_PYTHON, else .venv-zlab/ in the repo."""
     import os
@@ -268,9 +295,20 @@ def run_bench(cfg: BenchConfig) -> dict:
                 methods[f"zlab-b{b}"] = ZLabMethod(py, str(resolve_target_dir(cfg.target)),
                                                    cfg.drafter or str(BUNDLED_DRAFTER), cfg.dtype,
                                                    tok.eos_token_id, b, f"zlab-b{b}")
-        elif m in ("llamacpp", "vllm", "vllm-dflash"):
-            skipped[m] = (f"method {m!r} is not available in this build of dflashkit's harness yet; "
-                          "see the benchmark issue for its status")
+        elif m == "llamacpp":
+            from .loader import default_gguf
+            gguf = cfg.target if cfg.target and str(cfg.target).endswith(".gguf") else (None if cfg.target else default_gguf())
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError:
+                skipped[m] = "llama-cpp-python is not installed: run scripts/llamacpp-build.sh (AMX-off build)"
+                continue
+            if gguf is None:
+                skipped[m] = "llamacpp needs a .gguf target"
+                continue
+            methods["llamacpp"] = LlamaCppMethod(str(gguf), tok.eos_token_id)
+        elif m in ("vllm", "vllm-dflash"):
+            skipped[m] = "vLLM peers are not implemented yet (the vLLM issue); run vLLM's own benchmark meanwhile"
         else:
             raise DFlashError(f"unknown method {m!r}; choose from ar, dflash, hf, hf-lookup, llamacpp, zlab.")
     for m, why in skipped.items():
