@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from dflashkit import DFlashEngine
+from dflashkit.bench import HUMANEVAL_WRAPPER
 from dflashkit.data import humaneval_prompts, mtbench_questions
 from dflashkit.loader import encode_chat, load_default_drafter, load_target
 
@@ -54,8 +55,7 @@ def decode(dtype: str, n_prompts: int, max_new: int) -> dict:
     drafter, trained = load_default_drafter(target, tok)
     eng = DFlashEngine(target, drafter, tokenizer=tok)
     sets = {
-        "humaneval": ["Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
-                      + p["prompt"] + "\n```" for p in humaneval_prompts()[:n_prompts]],
+        "humaneval": [HUMANEVAL_WRAPPER.format(p["prompt"]) for p in humaneval_prompts()[:n_prompts]],
         "mt-bench": [q["turns"][0] for q in mtbench_questions()[:n_prompts]],
     }
     eng.generate([encode_chat(tok, "Hello")], max_new_tokens=8, block_size=16)  # warm-up
