@@ -17,12 +17,10 @@ import argparse
 import gzip
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))

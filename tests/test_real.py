@@ -3,12 +3,11 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from dflashkit import DFlashEngine, SamplingParams
+from dflashkit import DFlashEngine
 from dflashkit.loader import convert_gguf, default_gguf, encode_chat, load_default_drafter, load_target, resolve_target_dir
 
 pytestmark = pytest.mark.real

@@ -6,7 +6,6 @@ tiny target (vocab 12). One chi-square test per (setting, position): 2 settings 
 at alpha = 1e-3 each, so the whole test raises a false alarm with probability <= 0.8 %.
 """
 
-import itertools
 import types
 
 import numpy as np

@@ -67,6 +67,11 @@ class _Seq:
     t_first: float = 0.0
 
 
+def cache_positions(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """Cache slots a sequence can touch: its prompt, its new tokens, and one block drafted past the last one."""
+    return prompt_len + max_new_tokens + block_size + 1
+
+
 def check_compatible(drafter: DFlashDrafter, target: Target) -> None:
     c = drafter.config
     remedy = "the drafter was built for another target: train one for this target (`dflashkit train`) or pick its own target."
@@ -125,16 +130,14 @@ class DFlashEngine:
         if len(params) != n or len(max_new) != n:
             raise DFlashError("give one sampling setting and one max_new_tokens per prompt (or a single one for all).")
         stop = [x for x in (stop or []) if x]
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(prompts):  # validate all before any work starts
             try:
                 self.validate(p, max_new[i], stop)
             except DFlashError as e:
                 raise DFlashError(f"prompt {i}: {e}") from None
 
-        now = time.perf_counter()
-        seqs = [_Seq(i, list(p), max_new[i], GenerationStats(block_size=Q, prompt_tokens=len(p)), params[i], stop,
-                     t_arrival=now) for i, p in enumerate(prompts)]
-        batch = DecodeBatch(self, Q, max(len(p) + m for p, m in zip(prompts, max_new)) + Q + 1)
+        seqs = [self.sequence(i, p, params[i], max_new[i], stop, Q) for i, p in enumerate(prompts)]
+        batch = DecodeBatch(self, Q, max(cache_positions(len(p), m, Q) for p, m in zip(prompts, max_new)))
         yield batch.add(seqs)
         while batch.alive:
             yield batch.step()
@@ -282,7 +285,7 @@ class DecodeBatch:
         dev, n, Q = tgt.device, len(seqs), self.Q
         lens = [len(s.prompt) for s in seqs]
         P = max(lens)
-        if P + Q + 1 > self.max_len or any(l + s.max_new_tokens + Q + 1 > self.max_len for l, s in zip(lens, seqs)):
+        if any(cache_positions(l, s.max_new_tokens, Q) > self.max_len for l, s in zip(lens, seqs)):
             raise DFlashError(f"a request needs more than the batch's {self.max_len} cache positions; "
                               "shorten the prompt or lower max_new_tokens.")
         tcache = tgt.new_cache(n, self.max_len)

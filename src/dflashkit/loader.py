@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import atomic_write, load_drafter
+from .checkpoint import load_drafter
 from .config import DFlashConfig
 from .drafter import DFlashDrafter
 from .errors import DFlashError

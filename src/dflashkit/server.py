@@ -22,7 +22,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .engine import DecodeBatch, DFlashEngine
+from .engine import DecodeBatch, DFlashEngine, cache_positions
 from .errors import DFlashError
 from .sampling import SamplingParams
 
@@ -48,7 +48,7 @@ class Metrics:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     latency_buckets: tuple = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-    latency_counts: list[int] = field(default_factory=list)
+    latency_counts: list[int] = field(default_factory=lambda: [0] * 9)  # one per bucket
     latency_sum: float = 0.0
     latency_n: int = 0
 
@@ -63,8 +63,6 @@ class Metrics:
         for a in stats.accepted:
             for j in range(a):
                 self.accepted_per_position[j] += 1
-        if not self.latency_counts:
-            self.latency_counts = [0] * len(self.latency_buckets)
         for i, b in enumerate(self.latency_buckets):
             self.latency_counts[i] += latency <= b
         self.latency_sum += latency
@@ -86,7 +84,7 @@ class Metrics:
         lines += [f'dflashkit_accepted_per_position_total{{position="{j + 1}"}} {c}'
                   for j, c in enumerate(self.accepted_per_position)]
         lines.append("# TYPE dflashkit_request_latency_seconds histogram")
-        for b, c in zip(self.latency_buckets, self.latency_counts or [0] * len(self.latency_buckets)):
+        for b, c in zip(self.latency_buckets, self.latency_counts):
             lines.append(f'dflashkit_request_latency_seconds_bucket{{le="{b}"}} {c}')
         lines += [f'dflashkit_request_latency_seconds_bucket{{le="+Inf"}} {self.latency_n}',
                   f"dflashkit_request_latency_seconds_sum {self.latency_sum:.6f}",
@@ -120,7 +118,7 @@ class Scheduler:
         if self._draining:
             raise OverloadError("the server is shutting down")
         seq = self.engine.sequence(next(self._ids), prompt_ids, sampling, max_new_tokens, stop, self.block_size)
-        if len(prompt_ids) + max_new_tokens + self.block_size + 1 > self.max_len:
+        if cache_positions(len(prompt_ids), max_new_tokens, self.block_size) > self.max_len:
             raise DFlashError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_new_tokens}) exceeds the "
                               f"server's context of {self.max_len - self.block_size - 1} tokens; shorten the prompt "
                               "or lower max_tokens.")
@@ -143,16 +141,15 @@ class Scheduler:
     def _run(self) -> None:
         batch = DecodeBatch(self.engine, self.block_size, self.max_len)
         while True:
-            active = [j for j in self.jobs.values()]
-            for j in active:
+            for j in self.jobs.values():
                 if j.cancelled and not j.seq.finished:
                     batch.cancel(j.seq.index)
-            # admit queued requests up to max_batch (block when idle)
+            # admit queued requests up to max_batch (wait briefly when idle, so the stop flag is still seen)
             new = []
             while len(self.jobs) + len(new) < self.max_batch:
                 try:
-                    timeout = None if not self.jobs and not new else 0
-                    job = self.pending.get(timeout=0.05) if timeout is None else self.pending.get_nowait()
+                    idle = not self.jobs and not new
+                    job = self.pending.get(timeout=0.05) if idle else self.pending.get_nowait()
                 except queue.Empty:
                     break
                 if not job.cancelled:

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from .checkpoint import atomic_write, load_drafter, save_drafter
-from .config import DFlashConfig
 from .data import TokenShard, load_shards
 from .drafter import DFlashDrafter
 from .errors import DFlashError
@@ -121,14 +120,27 @@ class Batches:
         return ids, lm
 
 
+def unwrap(model) -> DFlashDrafter:
+    """The drafter inside a DistributedDataParallel wrapper (or the drafter itself)."""
+    return model.module if hasattr(model, "module") else model
+
+
+def features_and_blocks(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: torch.Generator):
+    """Target taps [B, S, k*H] (in the drafter's dtype unless autocast mixes them) and random-anchor blocks."""
+    raw = unwrap(drafter)
+    taps = target.taps(ids)
+    if not cfg.bf16:
+        taps = taps.to(next(raw.parameters()).dtype)
+    anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, gen)
+    return taps, build_blocks(ids, loss_mask, anchors, valid, cfg.block_size, raw.config.mask_token_id, cfg.gamma)
+
+
 def train_step_loss(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: torch.Generator, autocast, vocab=None):
     """vocab: None, or (d2t_head [Vd, H], t2d [V]) for a reduced draft vocabulary."""
-    taps = target.taps(ids)
-    anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, gen)
-    blocks = build_blocks(ids, loss_mask, anchors, valid, cfg.block_size, drafter_config(drafter).mask_token_id, cfg.gamma)
+    taps, blocks = features_and_blocks(drafter, target, ids, loss_mask, cfg, gen)
     head, t2d = vocab if vocab is not None else (None, None)
     with autocast():
-        hidden = training_forward(drafter, target.embed, taps.to(torch.float32) if not cfg.bf16 else taps, blocks)
+        hidden = training_forward(drafter, target.embed, taps, blocks)
         return dflash_loss(hidden, blocks, target.lm_head_weight, cfg.block_size, softcap=target.softcap,
                            d2t_head=head, t2d=t2d)
 
@@ -153,14 +165,10 @@ def with_draft_vocab(drafter: DFlashDrafter, ids: torch.Tensor) -> DFlashDrafter
     return new
 
 
-def drafter_config(drafter) -> DFlashConfig:
-    return (drafter.module if hasattr(drafter, "module") else drafter).config
-
-
 @torch.no_grad()
 def evaluate(drafter, target, batches: Batches, cfg: TrainConfig, autocast, device, vocab=None) -> dict:
     """Held-out per-position accuracy and simulated tau (blocks whose slots are all supervised)."""
-    raw = drafter.module if hasattr(drafter, "module") else drafter
+    raw = unwrap(drafter)
     raw.eval()
     correct = torch.zeros(cfg.block_size, device=device)
     count = torch.zeros(cfg.block_size, device=device)
@@ -169,9 +177,7 @@ def evaluate(drafter, target, batches: Batches, cfg: TrainConfig, autocast, devi
         ids, lm = batches.get(k, cfg.batch_size, rank=10_000)
         ids, lm = ids.to(device), lm.to(device)
         gen = torch.Generator(device=device).manual_seed(cfg.seed + 777 + k)
-        taps = target.taps(ids)
-        anchors, valid = sample_anchors(lm, cfg.num_anchors, gen)
-        blocks = build_blocks(ids, lm, anchors, valid, cfg.block_size, raw.config.mask_token_id, cfg.gamma)
+        taps, blocks = features_and_blocks(raw, target, ids, lm, cfg, gen)
         with autocast():
             hidden = training_forward(raw, target.embed, taps, blocks)
         if vocab is None:
