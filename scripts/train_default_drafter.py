@@ -65,6 +65,8 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--limit-prompts", type=int, default=None)
     ap.add_argument("--skip-gen", action="store_true", help="reuse the shards already under --work/data")
+    ap.add_argument("--data-in", default=None, help="start from these committed shards (e.g. data/smollm2-135m-"
+                    "instruct): their conversations are kept and only the other prompts are generated")
     ap.add_argument("--init-from", default=None, help="continue from this drafter directory (new LR schedule)")
     ap.add_argument("--steps", type=int, default=None, help="fixed step count (skips the calibration)")
     ap.add_argument("--lr", type=float, default=6e-4)
@@ -95,6 +97,17 @@ def main() -> int:
         records = [json.loads(line) for line in f if line.strip()]
     if args.limit_prompts:
         records = records[: args.limit_prompts]
+    if args.data_in:  # keep what was generated before; generate only prompts not yet answered
+        import shutil
+        data_dir.mkdir(parents=True, exist_ok=True)
+        have = set()
+        for split in ("heldout", "train"):
+            for f in sorted(Path(args.data_in).glob(f"{split}-*.npz")):
+                shutil.copy(f, data_dir / f"{split}-base-{f.stem}.npz")  # not a chunk name: chunks stay resumable
+                have |= {str(i) for i in TokenShard.load(f).ids}
+        records = [r for r in records if str(r["id"]) not in have]
+        report["kept_examples"], report["prompts_to_generate"] = len(have), len(records)
+        log.info("kept %d conversations from %s; %d prompts left", len(have), args.data_in, len(records))
     engine = DFlashEngine(target, None, tokenizer=tok)
     gen_deadline = t0 + args.gen_seconds
     t_gen = time.time()
@@ -133,7 +146,7 @@ def main() -> int:
     report["train_calibration_s_per_step"] = per_step and round(per_step, 4)
     report["train_steps_planned"] = steps
     save_report()
-    log.info("calibrated %.3f s/step -> %d steps", per_step, steps)
+    log.info("calibrated %s s/step -> %d steps", per_step and round(per_step, 3), steps)
     cfg = TrainConfig(out_dir=str(work / args.run_name), steps=steps, eval_every=max(50, steps // 6), eval_batches=4,
                       save_every=max(50, steps // 4), time_limit_s=remaining, **base)
     t_train = time.time()

@@ -4,7 +4,8 @@ import torch
 
 from conftest import make_drafter, make_target
 from dflashkit.cache import PositionCache
-from dflashkit.objective import block_mask, build_blocks, decay_weights, training_forward, sample_anchors
+from dflashkit.objective import (block_mask, build_blocks, decay_weights, decode_path_tau, training_forward,
+                                 sample_anchors, simulated_tau)
 
 
 def reference_mask(anchors, valid, S, Bq):
@@ -83,3 +84,16 @@ def test_training_forward_equals_inference_forward():
         mask = torch.ones(1, 1, Bq, a + Bq, dtype=torch.bool)
         inf_h = dr(t.embed(block), a + torch.arange(Bq)[None], kv, mask)
         torch.testing.assert_close(train_h[:, n * Bq:(n + 1) * Bq], inf_h, rtol=1e-10, atol=1e-10)
+
+
+def test_decode_path_tau_walks_the_anchors_decoding_visits():
+    # The anchor right after a rejection is hard (run 1); decoding lands on it, then jumps over the easy
+    # stretch in one pass: 7 tokens in 2 passes.
+    runs = [1, 6, 6, 6, 6, 6, 1]
+    assert decode_path_tau(runs) == (7, 2)
+    # The uniform mean over anchors counts the easy stretch once per position: higher than 7 / 2.
+    prefix = torch.tensor([[True] * (r - 1) + [False] * (6 - r) for r in runs])
+    assert abs(simulated_tau(prefix) - sum(runs) / len(runs)) < 1e-6 and simulated_tau(prefix) > 7 / 2
+    # A run past the end commits only what is left; an empty response needs no pass.
+    assert decode_path_tau([5, 1, 1]) == (3, 1)
+    assert decode_path_tau([]) == (0, 0)

@@ -231,6 +231,46 @@ def zlab_python() -> str | None:
     return str(cand) if cand.exists() else None
 
 
+def run_items(method, items: list[list[str]], tok, max_new: int, desc: str) -> tuple[list[Turn], list[list[int]]]:
+    """Every item's turns, one prompt at a time; a later turn follows the method's OWN previous answer."""
+    from tqdm import tqdm
+
+    from .loader import encode_chat
+
+    turns: list[Turn] = []
+    texts: list[list[int]] = []
+    for item in tqdm(items, desc=desc, unit="prompt"):
+        history: list[dict] = []
+        for user in item:
+            history.append({"role": "user", "content": user})
+            t = method.run([encode_chat(tok, history)], max_new)[0]
+            turns.append(t)
+            texts.append(t.tokens)
+            history.append({"role": "assistant", "content": tok.decode(t.tokens, skip_special_tokens=True)})
+    return turns, texts
+
+
+def batch_sweep(method: "EngineMethod", prompts: list[list[int]], sizes: list[int], max_new: int, desc: str) -> dict:
+    """Throughput with N prompts decoded together: tokens generated / wall time (prefill included), per N.
+    Returns {N: {tokens_per_s, tau, prompts}}; the prompts are taken in order, in chunks of N."""
+    from tqdm import tqdm
+
+    out = {}
+    for n in sizes:
+        chunks = [prompts[i:i + n] for i in range(0, len(prompts), n)]
+        toks, cycles, wall = 0, [], 0.0
+        for chunk in tqdm(chunks, desc=f"{desc} batch {n}", unit="batch"):
+            t0 = time.perf_counter()
+            turns = method.run(chunk, max_new)
+            wall += time.perf_counter() - t0
+            toks += sum(t.new_tokens for t in turns)
+            cycles += [a for t in turns for a in t.accepted]
+        tau = sum(a + 1 for a in cycles) / len(cycles) if cycles else 1.0
+        out[str(n)] = {"tokens_per_s": round(toks / wall, 3) if wall else 0.0, "tau": round(tau, 4),
+                       "prompts": len(prompts)}
+    return out
+
+
 # ---- the runner -------------------------------------------------------------------------------------------
 @dataclass
 class BenchConfig:
@@ -241,6 +281,8 @@ class BenchConfig:
     block_sizes: list[int] = field(default_factory=lambda: [16])
     temperature: float = 0.0
     batch_size: int = 1
+    temperatures: list[float] = field(default_factory=list)  # extra temperatures: ar/dflash rows named `m@T<t>`
+    batch_sizes: list[int] = field(default_factory=list)  # throughput sweep for ar/dflash (first turns, batched)
     methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "hf", "hf-lookup"])
     out: str = "bench/results/latest"
     target: str | None = None
@@ -252,8 +294,6 @@ class BenchConfig:
 
 
 def run_bench(cfg: BenchConfig) -> dict:
-    from tqdm import tqdm
-
     from .checkpoint import load_drafter
     from .engine import DFlashEngine
     from .loader import encode_chat, load_default_drafter, load_target, parse_dtype
@@ -321,32 +361,35 @@ def run_bench(cfg: BenchConfig) -> dict:
     engine.generate([encode_chat(tok, "Hello")], max_new_tokens=4, block_size=max(cfg.block_sizes))  # warm-up
     results: dict = {}
     outputs: dict = {}
+    engine_methods = {n: m for n, m in methods.items() if isinstance(m, EngineMethod)}
     for dname, items in sets.items():
         results[dname], outputs[dname] = {}, {}
         for mname, method in methods.items():
-            turns: list[Turn] = []
-            texts = []
-            for item in tqdm(items, desc=f"{dname}/{mname}", unit="prompt"):
-                history: list[dict] = []
-                for user in item:  # multi-turn: each turn follows the method's OWN previous answer
-                    history.append({"role": "user", "content": user})
-                    t = method.run([encode_chat(tok, history)], cfg.max_new_tokens)[0]
-                    turns.append(t)
-                    texts.append(t.tokens)
-                    history.append({"role": "assistant", "content": tok.decode(t.tokens, skip_special_tokens=True)})
-            bs = getattr(method, "block_size", 1)
-            results[dname][mname] = aggregate(turns, max(bs, 1))
-            outputs[dname][mname] = texts
-        ar = results[dname]["ar"]["tokens_per_s"]
+            turns, outputs[dname][mname] = run_items(method, items, tok, cfg.max_new_tokens, f"{dname}/{mname}")
+            results[dname][mname] = aggregate(turns, max(getattr(method, "block_size", 1), 1))
+        for t in cfg.temperatures:  # the same engine rows, sampled: tau and speed at T > 0 (outputs differ by design)
+            for mname, method in engine_methods.items():
+                name = f"{mname}@T{t:g}"
+                sampled = EngineMethod(engine, method.block_size, SamplingParams(temperature=t, seed=0), name)
+                turns, _ = run_items(sampled, items, tok, cfg.max_new_tokens, f"{dname}/{name}")
+                results[dname][name] = aggregate(turns, max(method.block_size, 1))
         for mname, r in results[dname].items():
+            base = mname.split("@")[1] if "@" in mname else None
+            ar = results[dname]["ar" if base is None else f"ar@{base}"]["tokens_per_s"]
             r["speedup_vs_ar"] = round(r["tokens_per_s"] / ar, 4) if ar else None
-            if cfg.temperature == 0 and mname != "ar":
+            if cfg.temperature == 0 and base is None and mname != "ar":
                 r["mismatches_vs_ar"] = mismatches(target, tok, sets[dname], outputs[dname]["ar"], outputs[dname][mname])
+    sweeps: dict = {}
+    if cfg.batch_sizes:
+        sweeps["batch"] = {d: {m: batch_sweep(meth, [encode_chat(tok, it[0]) for it in items], cfg.batch_sizes,
+                                              cfg.max_new_tokens, f"{d}/{m}")
+                               for m, meth in engine_methods.items()} for d, items in sets.items()}
     for method in methods.values():
         if hasattr(method, "close"):
             method.close()
     return {
         "results": results,
+        "sweeps": sweeps,
         "skipped": skipped,
         "settings": {k: v for k, v in cfg.__dict__.items()},
         "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -414,6 +457,13 @@ def markdown(report: dict) -> str:
             mm_s = f"{mm['count']} ({mm['near_ties']})" if mm else "-"
             lines.append(f"| {d} | {m} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} | "
                          f"{r['tpot_ms'] or 0:.1f} | {r['ttft_ms'] or 0:.0f} | {mm_s} |")
+    for d, rows in report.get("sweeps", {}).get("batch", {}).items():
+        sizes = sorted({int(n) for r in rows.values() for n in r})
+        lines += ["", f"Throughput (tokens/s, prefill included) vs batch size, {d} first turns:", "",
+                  "| method | " + " | ".join(f"batch {n}" for n in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
+        for m, r in rows.items():
+            lines.append(f"| {m} | " + " | ".join(f"{r[str(n)]['tokens_per_s']:.1f} (tau {r[str(n)]['tau']:.2f})"
+                                                   for n in sizes) + " |")
     for m, why in report.get("skipped", {}).items():
         lines.append(f"\nskipped `{m}`: {why}")
     return "\n".join(lines) + "\n"
@@ -455,6 +505,55 @@ def plots(report: dict, out: Path) -> list[Path]:
     paths.append(out / "acceptance.png")
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
+    # tau and tokens/s vs block size (ar is block size 1), one line per dataset and temperature
+    curves = {}
+    for d, rows in res.items():
+        for m, r in rows.items():
+            name, _, temp = m.partition("@")
+            if name == "ar" or name.startswith("dflash-b"):
+                b = 1 if name == "ar" else int(name[len("dflash-b"):])
+                curves.setdefault(f"{d}" + (f" @{temp}" if temp else ""), []).append((b, r["tau"], r["tokens_per_s"]))
+    if any(len(c) > 2 for c in curves.values()):
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        for label, pts in curves.items():
+            pts.sort()
+            a1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            a2.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=label)
+        for a, yl in ((a1, "tau (tokens per target pass)"), (a2, "tokens/s")):
+            a.set_xscale("log", base=2)
+            a.set_xlabel("block size (1 = ar)")
+            a.set_ylabel(yl)
+        a1.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out / "block_size.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    batch = report.get("sweeps", {}).get("batch", {})
+    if batch:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for d, rows in batch.items():
+            for m, r in rows.items():
+                sizes = sorted(int(n) for n in r)
+                ax.plot(sizes, [r[str(n)]["tokens_per_s"] for n in sizes], marker="o", label=f"{d} {m}")
+        ax.set_xlabel("batch size (prompts decoded together)")
+        ax.set_ylabel("throughput, tokens/s")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out / "batch.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    temps = {m for rows in res.values() for m in rows if "@" in m}
+    if temps:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        labels = [(d, m) for d, rows in res.items() for m in rows if m.startswith("dflash-b")]
+        ax.bar(range(len(labels)), [res[d][m]["speedup_vs_ar"] or 0 for d, m in labels])
+        ax.set_xticks(range(len(labels)), [f"{d}\n{m}" for d, m in labels], fontsize=7, rotation=30)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_ylabel("speedup vs ar at the same temperature")
+        fig.tight_layout()
+        paths.append(out / "temperature.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
     return paths
 
 

@@ -129,9 +129,13 @@ def cmd_bench(args) -> int:
     methods = [m.strip() for m in ",".join(args.methods).split(",") if m.strip()]
     if not args.dataset and not args.prompts:
         raise DFlashError("give --dataset NAME (repeatable) or --prompts FILE.jsonl.")
+    temps = args.temperature or [0.0]
+    if any(t < 0 for t in temps) or any(n < 1 for n in args.batch_size or []):
+        raise DFlashError("--temperature must be >= 0 and --batch-size >= 1.")
     cfg = BenchConfig(datasets=args.dataset or [], prompts_file=args.prompts, limit=args.limit,
                       max_new_tokens=args.max_new_tokens, block_sizes=args.block_size or [16],
-                      temperature=args.temperature, batch_size=args.batch_size, methods=methods, out=args.out,
+                      temperature=temps[0], temperatures=temps[1:], batch_sizes=args.batch_size or [],
+                      methods=methods, out=args.out,
                       target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
                       speed_bench_dir=args.speed_bench_dir, command="dflashkit " + " ".join(sys.argv[1:]))
     report = write_report(run_bench(cfg), args.out)
@@ -218,8 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=None)
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--block-size", type=int, action="append", default=None, help="repeatable (default 16)")
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--batch-size", type=int, default=1)
+    b.add_argument("--temperature", type=float, action="append", default=None,
+                   help="repeatable; the first runs every method, later ones add ar/dflash rows named m@T<t>")
+    b.add_argument("--batch-size", type=int, action="append", default=None,
+                   help="repeatable: throughput sweep of ar/dflash with N prompts decoded together (first turns)")
     b.add_argument("--methods", action="append", default=None, help="comma list: ar,dflash,hf,hf-lookup")
     b.add_argument("--out", default="bench/results/latest")
     b.add_argument("--speed-bench-dir", default=None)
