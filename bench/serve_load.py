@@ -2,18 +2,25 @@
 
     .venv/bin/python bench/serve_load.py [--requests 16] [--max-tokens 64] [--out bench/results/serve-load]
 
-For autoregressive serving (block size 1) and DFlash serving (block size 8, the bundled drafter), the server
-runs in-process on a free port; `--requests` chat requests (MT-Bench first turns, T=0) are sent by the
-`openai` client at concurrency 1, 2, 4, 8, 16. Reported: aggregate completion tokens/s, median per-user
-tokens/s (completion tokens / request latency), median latency, tau from the server's own statistics.
-Writes serve_load.json, serve_load.md and serve_load.png.
+Modes (`--modes`, comma list): `ar` and `dflash-b8` (`dflashkit serve` in-process, block size 1 / 8 with the
+bundled drafter), `vllm` and `vllm-dflash-b8` (`vllm serve` from .venv-vllm, plain / with the bundled drafter
+as `--speculative-config method=dflash`; built by scripts/vllm-env.sh, skipped with a message when absent).
+Every engine gets the same CPU threads (torch's count here; vLLM bound to cores 0..n-1). `--requests` chat
+requests (MT-Bench first turns, T=0) are sent by the `openai` client at concurrency 1, 2, 4, 8, 16. Reported:
+aggregate completion tokens/s, median per-user tokens/s (completion tokens / request latency), median latency,
+tau from the server's own statistics (vLLM: its /metrics acceptance counters). Writes serve_load.json,
+serve_load.md and serve_load.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import socket
+import subprocess
+import urllib.request
 import statistics
 import sys
 import threading
@@ -24,79 +31,155 @@ from pathlib import Path
 import torch
 
 
-def main() -> int:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def dflashkit_server(engine, tok, block: int):
     import uvicorn
+
+    from dflashkit.server import build_app
+
+    app = build_app(engine, tok, "smollm2", block_size=block, max_batch=16, max_queue=64, max_len=1024)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    while not srv.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", None
+    finally:
+        srv.should_exit = True
+        th.join(30)
+
+
+def vllm_counters(base: str) -> tuple[float, float]:
+    """(drafts, accepted tokens) from vLLM's Prometheus /metrics."""
+    text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
+
+    def total(name):
+        return sum(float(m) for m in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
+    return total("vllm:spec_decode_num_drafts_total"), total("vllm:spec_decode_num_accepted_tokens_total")
+
+
+@contextlib.contextmanager
+def vllm_server(py: str, target_dir: str, drafter_dir: str | None, block: int, dtype: str, threads: int, log: Path):
+    from dflashkit.bench import vllm_env
+
+    port = free_port()
+    cmd = [str(Path(py).parent / "vllm"), "serve", target_dir, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", dtype, "--max-model-len", "2048", "--served-model-name", "smollm2", "--max-num-seqs", "16"]
+    if drafter_dir:
+        cmd += ["--speculative-config", json.dumps({"method": "dflash", "model": drafter_dir,
+                                                     "num_speculative_tokens": block - 1})]
+    env = vllm_env(py, threads)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server keeps its engine in its own process
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.time()
+        while True:  # start-up compiles the model: 1.5-3 minutes on 2 cores
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({proc.returncode}); see {log}")
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(base + "/health", timeout=5).status == 200:
+                    break
+            if time.time() - t0 > 600:
+                raise RuntimeError(f"vllm serve did not start in 10 minutes; see {log}")
+            time.sleep(2)
+        yield base, (lambda: vllm_counters(base)) if drafter_dir else None
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main() -> int:
     from openai import OpenAI
 
     from dflashkit import DFlashEngine
+    from dflashkit.bench import vllm_python
     from dflashkit.data import mtbench_questions
-    from dflashkit.loader import load_default_drafter, load_target
-    from dflashkit.server import build_app
+    from dflashkit.loader import BUNDLED_DRAFTER, load_default_drafter, load_target, resolve_target_dir
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--modes", default="ar,dflash-b8,vllm,vllm-dflash-b8")
     ap.add_argument("--out", default="bench/results/serve-load")
     args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     prompts = [q["turns"][0] for q in mtbench_questions()][: args.requests]
     target, tok = load_target(dtype=args.dtype)
     drafter, _ = load_default_drafter(target, tok)
-    rows = []
-    for mode, block in (("ar", 1), ("dflash-b8", 8)):
-        engine = DFlashEngine(target, drafter, tokenizer=tok, block_size=block)
-        app = build_app(engine, tok, "smollm2", block_size=block, max_batch=16, max_queue=64, max_len=1024)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        th = threading.Thread(target=srv.run, daemon=True)
-        th.start()
-        while not srv.started:
-            time.sleep(0.05)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    threads = torch.get_num_threads()
+    rows, skipped = [], {}
+    for mode in args.modes.split(","):
+        block = int(mode.rsplit("-b", 1)[1]) if "-b" in mode else 1
+        if mode.startswith("vllm"):
+            py = vllm_python()
+            if py is None:
+                skipped[mode] = "no vLLM virtualenv: run scripts/vllm-env.sh"
+                print(f"skipping {mode}: {skipped[mode]}", flush=True)
+                continue
+            server = vllm_server(py, str(resolve_target_dir(None)), str(BUNDLED_DRAFTER) if block > 1 else None,
+                                 block, args.dtype, threads, out / f"{mode}.log")
+        else:
+            server = dflashkit_server(DFlashEngine(target, drafter, tokenizer=tok, block_size=block), tok, block)
+        with server as (base, counters):
+            client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
 
-        def ask(p):
-            t0 = time.perf_counter()
-            r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": p}],
-                                               max_tokens=args.max_tokens, temperature=0)
-            return r.usage.completion_tokens, time.perf_counter() - t0, r.model_extra["dflash"]
+            def ask(p):
+                t0 = time.perf_counter()
+                r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": p}],
+                                                   max_tokens=args.max_tokens, temperature=0)
+                return r.usage.completion_tokens, time.perf_counter() - t0, (r.model_extra or {}).get("dflash")
 
-        ask(prompts[0])  # warm-up
-        for conc in (1, 2, 4, 8, 16):
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(conc) as ex:
-                res = list(ex.map(ask, prompts))
-            wall = time.perf_counter() - t0
-            toks = sum(r[0] for r in res)
-            passes = sum(r[2]["target_passes"] for r in res)
-            acc = sum(r[2]["tau"] * r[2]["target_passes"] for r in res)
-            rows.append({"mode": mode, "concurrency": conc, "requests": len(res), "completion_tokens": toks,
-                         "throughput_tok_s": round(toks / wall, 2),
-                         "per_user_tok_s_median": round(statistics.median(r[0] / r[1] for r in res), 2),
-                         "latency_s_median": round(statistics.median(r[1] for r in res), 3),
-                         "tau": round(acc / passes, 3) if passes else 1.0})
-            print(rows[-1], flush=True)
-        srv.should_exit = True
-        th.join(30)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join(sys.argv), "threads": torch.get_num_threads(), "dtype": args.dtype,
-            "max_tokens": args.max_tokens, "prompts": "MT-Bench first turns"}
+            ask(prompts[0])  # warm-up
+            for conc in (1, 2, 4, 8, 16):
+                c0 = counters() if counters else None
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(conc) as ex:
+                    res = list(ex.map(ask, prompts))
+                wall = time.perf_counter() - t0
+                toks = sum(r[0] for r in res)
+                if counters:  # vLLM: tau = 1 + accepted / drafts over this round
+                    c1 = counters()
+                    tau = 1 + (c1[1] - c0[1]) / max(c1[0] - c0[0], 1)
+                elif res[0][2]:
+                    passes = sum(r[2]["target_passes"] for r in res)
+                    tau = sum(r[2]["tau"] * r[2]["target_passes"] for r in res) / passes if passes else 1.0
+                else:
+                    tau = 1.0
+                rows.append({"mode": mode, "concurrency": conc, "requests": len(res), "completion_tokens": toks,
+                             "throughput_tok_s": round(toks / wall, 2),
+                             "per_user_tok_s_median": round(statistics.median(r[0] / r[1] for r in res), 2),
+                             "latency_s_median": round(statistics.median(r[1] for r in res), 3),
+                             "tau": round(tau, 3)})
+                print(rows[-1], flush=True)
+    meta = {"command": " ".join(sys.argv), "threads": threads, "dtype": args.dtype,
+            "max_tokens": args.max_tokens, "prompts": "MT-Bench first turns", "skipped": skipped}
     (out / "serve_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     md = [f"# Serving load (`{meta['command']}`)", "",
           f"{len(prompts)} chat requests (MT-Bench first turns), max_tokens {args.max_tokens}, T=0, {args.dtype}, "
-          f"{meta['threads']} CPU threads, loopback, openai client.", "",
+          f"{threads} CPU threads for every engine (vLLM bound to cores 0-{threads - 1}), loopback, openai client.", "",
           "| mode | concurrency | throughput tok/s | per-user tok/s (median) | latency s (median) | tau |",
           "|---|---|---|---|---|---|"]
     md += [f"| {r['mode']} | {r['concurrency']} | {r['throughput_tok_s']} | {r['per_user_tok_s_median']} | "
            f"{r['latency_s_median']} | {r['tau']} |" for r in rows]
+    md += [f"\nskipped `{m}`: {why}" for m, why in skipped.items()]
     (out / "serve_load.md").write_text("\n".join(md) + "\n")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in ("ar", "dflash-b8"):
+    for mode in dict.fromkeys(r["mode"] for r in rows):
         rr = [r for r in rows if r["mode"] == mode]
         axes[0].plot([r["concurrency"] for r in rr], [r["throughput_tok_s"] for r in rr], marker="o", label=mode)
         axes[1].plot([r["concurrency"] for r in rr], [r["per_user_tok_s_median"] for r in rr], marker="o", label=mode)

@@ -56,6 +56,16 @@ def test_metric_arithmetic():
     assert aggregate([Turn([1, 2], new_tokens=2, decode_s=0.5)], 1)["tau"] == 1.0
 
 
+def test_accepted_lengths_from_vllm_counters():
+    from dflashkit.bench import accepted_from_counters
+
+    # 4 drafts accepting 0, 1, 3, 3 tokens -> per position (>= 1, >= 2, >= 3) accepted: 3, 2, 2
+    acc = accepted_from_counters(4, [3, 2, 2])
+    assert sorted(acc) == [0, 1, 3, 3]
+    assert aggregate([Turn([0] * 11, acc, 11, 0.0, 1.0)], 4)["tau"] == pytest.approx(1 + 7 / 4)
+    assert accepted_from_counters(0, [0, 0]) == []
+
+
 def test_near_tie_threshold():
     assert near_tie_threshold(20.0, torch.bfloat16) == pytest.approx(0.25)  # 2 ulps at 16..32 (7-bit mantissa)
     assert near_tie_threshold(3.0, torch.bfloat16) == pytest.approx(2 * 2 ** -6)
@@ -64,7 +74,10 @@ def test_near_tie_threshold():
 
 
 @pytest.mark.real
-def test_report_schema_on_the_real_target(tmp_path):
+def test_report_schema_on_the_real_target(tmp_path, monkeypatch):
+    import dflashkit.bench as bench
+
+    monkeypatch.setattr(bench, "vllm_python", lambda: None)  # as on a machine without scripts/vllm-env.sh
     cfg = BenchConfig(datasets=["humaneval", "mt-bench"], limit=1, max_new_tokens=6, block_sizes=[4],
                       methods=["ar", "dflash", "hf", "hf-lookup", "llamacpp", "vllm"], out=str(tmp_path), dtype="float32",
                       command="dflashkit bench (test)")
@@ -72,7 +85,7 @@ def test_report_schema_on_the_real_target(tmp_path):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["settings"]["command"] == "dflashkit bench (test)"
     assert {"platform", "threads", "torch", "dtype"} <= set(saved["machine"]) and saved["versions"]["torch"]
-    assert "not implemented" in saved["skipped"]["vllm"]  # an absent peer is skipped with a message, never silently
+    assert "scripts/vllm-env.sh" in saved["skipped"]["vllm"]  # an absent peer is skipped with a message, never silently
     optional = {"llamacpp"} - set(saved["skipped"])
     for d in ("humaneval", "mt-bench"):
         assert set(saved["results"][d]) == {"ar", "dflash-b4", "hf", "hf-lookup"} | optional
@@ -80,7 +93,7 @@ def test_report_schema_on_the_real_target(tmp_path):
             assert {"tau", "tokens_per_s", "speedup_vs_ar", "tpot_ms", "ttft_ms", "acceptance",
                     "accepted_length_histogram"} <= set(r)
             if m != "ar":
-                assert set(r["mismatches_vs_ar"]) == {"count", "near_ties"}
+                assert set(r["mismatches_vs_ar"]) == {"count", "near_ties", "details"}
         assert saved["results"][d]["ar"]["speedup_vs_ar"] == 1.0
         dfl = saved["results"][d]["dflash-b4"]
         assert len(dfl["acceptance"]) == 3 and 1 + sum(dfl["acceptance"]) == pytest.approx(dfl["tau"], abs=1e-3)

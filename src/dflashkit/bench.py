@@ -193,6 +193,81 @@ class ZLabMethod:
         self.proc.wait(timeout=30)
 
 
+def vllm_python() -> str | None:
+    """The interpreter of the vLLM virtualenv: $DFLASHKIT_VLLM_PYTHON, else .venv-vllm/ in the repo."""
+    import os
+
+    env = os.environ.get("DFLASHKIT_VLLM_PYTHON")
+    if env:
+        return env
+    cand = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+    return str(cand) if cand.exists() else None
+
+
+def vllm_env(python: str, threads: int) -> dict:
+    """Environment for a vLLM CPU worker: in-process engine (drafts can be recorded), `threads` OpenMP threads
+    bound to cores 0..threads-1 (vLLM's default binds one core per socket), its bundled Intel OpenMP preloaded."""
+    import os
+
+    lib = Path(python).resolve().parents[1] / "lib"
+    iomp = lib / "libiomp5.so"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+    if iomp.exists():
+        env["LD_PRELOAD"] = str(iomp)
+    return env
+
+
+class VLLMMethod:
+    """vLLM 0.32 (CPU build, its own virtualenv) through `vllm_worker.py` over a pipe: plain greedy decoding
+    (`drafter_dir=None`) or DFlash with OUR drafter in the Z Lab format. Greedy only, one prompt at a time."""
+
+    def __init__(self, python: str, target_dir: str, drafter_dir: str | None, dtype: str, block_size: int,
+                 name: str, threads: int):
+        import subprocess
+
+        import tempfile
+
+        self.block_size, self.name = (block_size if drafter_dir else 1), name
+        self.log = Path(tempfile.gettempdir()) / f"dflashkit-{name}.log"  # vLLM's own messages
+        with open(self.log, "w") as err:
+            self.proc = subprocess.Popen([python, "-m", "dflashkit.vllm_worker", target_dir, drafter_dir or "-",
+                                          dtype, str(block_size - 1)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, text=True, env=vllm_env(python, threads))
+        first = json.loads(self.proc.stdout.readline() or '{"error": "the vLLM worker died while loading"}')
+        if "error" in first:
+            raise DFlashError(f"vLLM could not start ({name}): {first['error']} (log: {self.log})")
+
+    def request(self, ids: list[int], max_new: int, trace: bool = False, time_first: bool = True) -> dict:
+        self.proc.stdin.write(json.dumps({"ids": ids, "max_new_tokens": max_new, "trace": trace,
+                                          "time_first": time_first}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise DFlashError(f"the vLLM worker ({self.name}) died; see {self.log}")
+        return json.loads(line)
+
+    def run(self, prompt_ids: list[list[int]], max_new: int) -> list[Turn]:
+        out = []
+        for p in prompt_ids:
+            r = self.request(p, max_new)
+            out.append(Turn(r["tokens"], accepted_from_counters(r["num_drafts"], r["accepted_per_pos"])
+                            if self.block_size > 1 else [], len(r["tokens"]), r["ttft_s"], r["decode_s"]))
+        return out
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def accepted_from_counters(num_drafts: int, per_pos: list[int]) -> list[int]:
+    """vLLM's counters -> one accepted count per verification: per_pos[j] counts the drafts whose position j was
+    accepted (acceptance is a prefix, so that means >= j+1 accepted); exactly k = per_pos[k-1] - per_pos[k]."""
+    ge = [num_drafts] + list(per_pos) + [0]  # ge[k] = drafts with >= k accepted
+    return [k for k in range(len(ge) - 1) for _ in range(ge[k] - ge[k + 1])]
+
+
 class LlamaCppMethod:
     """llama.cpp greedy decoding of the same GGUF (optional: `scripts/llamacpp-build.sh`). It runs the
     quantized weights with its own kernels, so its greedy text may part from ours beyond near-ties."""
@@ -348,9 +423,26 @@ def run_bench(cfg: BenchConfig) -> dict:
                 continue
             methods["llamacpp"] = LlamaCppMethod(str(gguf), tok.eos_token_id)
         elif m in ("vllm", "vllm-dflash"):
-            skipped[m] = "vLLM peers are not implemented yet (the vLLM issue); run vLLM's own benchmark meanwhile"
+            py = vllm_python()
+            if py is None:
+                skipped[m] = "no vLLM virtualenv: run scripts/vllm-env.sh (or set DFLASHKIT_VLLM_PYTHON)"
+                continue
+            if cfg.temperature != 0:
+                skipped[m] = "the vLLM peers run greedy only"
+                continue
+            from .loader import BUNDLED_DRAFTER, resolve_target_dir
+            tdir = str(resolve_target_dir(cfg.target))
+            if m == "vllm":
+                methods["vllm"] = VLLMMethod(py, tdir, None, cfg.dtype, 1, "vllm", torch.get_num_threads())
+            elif drafter is None or drafter.d2t is not None:
+                skipped[m] = ("no drafter for this target: pass --drafter DIR" if drafter is None else
+                              "vLLM needs the Z Lab export of a full-vocabulary drafter")
+            else:
+                for b in cfg.block_sizes:
+                    methods[f"vllm-dflash-b{b}"] = VLLMMethod(py, tdir, cfg.drafter or str(BUNDLED_DRAFTER), cfg.dtype,
+                                                              b, f"vllm-dflash-b{b}", torch.get_num_threads())
         else:
-            raise DFlashError(f"unknown method {m!r}; choose from ar, dflash, hf, hf-lookup, llamacpp, zlab.")
+            raise DFlashError(f"unknown method {m!r}; choose from ar, dflash, hf, hf-lookup, llamacpp, zlab, vllm, vllm-dflash.")
     for m, why in skipped.items():
         log.warning("skipping %s: %s", m, why)
     if "ar" not in methods:
@@ -420,7 +512,8 @@ def mismatches(target, tok, items, ar_outputs, outputs) -> dict:
 
     total = near = 0
     off = 0
-    for item in items:
+    details = []
+    for k, item in enumerate(items):
         history: list[dict] = []
         for t, user in enumerate(item):
             a, b = ar_outputs[off + t], outputs[off + t]
@@ -429,10 +522,13 @@ def mismatches(target, tok, items, ar_outputs, outputs) -> dict:
                 total += 1
                 d = first_divergence(target, encode_chat(tok, history), a, b)
                 near += d is not None and d["near_tie"]
+                details.append({"item": k, "turn": t, **({key: (round(v, 5) if isinstance(v, float) else v)
+                                                          for key, v in d.items()} if d else {"stop_only": True})})
                 break
             history.append({"role": "assistant", "content": tok.decode(a, skip_special_tokens=True)})
         off += len(item)
-    return {"count": total, "near_ties": int(near)}
+    # details: where each differing output parts from AR and the target's top-2 gap there, to audit the rule
+    return {"count": total, "near_ties": int(near), "details": details}
 
 
 def _versions() -> dict:
