@@ -23,7 +23,6 @@ import subprocess
 import urllib.request
 import statistics
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,19 +38,12 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def dflashkit_server(engine, tok, block: int):
-    import uvicorn
-
-    from dflashkit.server import build_app
+    from dflashkit.server import build_app, serve_in_thread
 
     app = build_app(engine, tok, "smollm2", block_size=block, max_batch=16, max_queue=64, max_len=1024)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    while not srv.started:
-        time.sleep(0.05)
+    srv, th, url = serve_in_thread(app)
     try:
-        yield f"http://127.0.0.1:{port}", None
+        yield url, None
     finally:
         srv.should_exit = True
         th.join(30)

@@ -2,7 +2,6 @@
 
 import json
 import socket
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -15,32 +14,18 @@ PROMPTS = ["What is the capital of France?", "Name three colors.", "Write a haik
            "What is 2 + 2?", "Say hello in Spanish.", "List two fruits.", "What is Python?", "Define gravity briefly."]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    import uvicorn
-
     from dflashkit import DFlashEngine
     from dflashkit.loader import load_default_drafter, load_target
-    from dflashkit.server import build_app
+    from dflashkit.server import build_app, serve_in_thread
 
     target, tok = load_target(dtype="float32")
     drafter, _ = load_default_drafter(target, tok)
     engine = DFlashEngine(target, drafter, tokenizer=tok, block_size=8)
     app = build_app(engine, tok, "smollm2-test", block_size=8, max_batch=8, max_queue=16, max_len=1024)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    deadline = time.time() + 60
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield {"url": f"http://127.0.0.1:{port}", "engine": engine, "tok": tok, "app": app}
+    srv, th, url = serve_in_thread(app)
+    yield {"url": url, "engine": engine, "tok": tok, "app": app}
     srv.should_exit = True
     th.join(30)
 
@@ -163,23 +148,16 @@ def test_fuzzed_request_bodies_never_yield_5xx(server):
 
 
 def test_full_queue_gets_429_and_shutdown_drains_in_flight_requests():
-    import uvicorn
-
     from dflashkit import DFlashEngine
     from dflashkit.loader import load_default_drafter, load_target
-    from dflashkit.server import build_app
+    from dflashkit.server import build_app, serve_in_thread
 
     target, tok = load_target(dtype="float32")
     drafter, _ = load_default_drafter(target, tok)
     app = build_app(DFlashEngine(target, drafter, tokenizer=tok), tok, "t", block_size=4, max_batch=1, max_queue=1,
                     max_len=512)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    while not srv.started:
-        time.sleep(0.05)
-    server = {"url": f"http://127.0.0.1:{port}"}
+    srv, th, url = serve_in_thread(app)
+    server = {"url": url}
     body = json.dumps({"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 120,
                        "temperature": 0})
     with ThreadPoolExecutor(6) as ex:

@@ -194,14 +194,8 @@ class ZLabMethod:
 
 
 def vllm_python() -> str | None:
-    """The interpreter of the vLLM virtualenv: $DFLASHKIT_VLLM_PYTHON, else .venv-vllm/ in the repo."""
-    import os
-
-    env = os.environ.get("DFLASHKIT_VLLM_PYTHON")
-    if env:
-        return env
-    cand = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
-    return str(cand) if cand.exists() else None
+    """The interpreter of the vLLM virtualenv (scripts/vllm-env.sh)."""
+    return peer_python("vllm")
 
 
 def vllm_env(python: str, threads: int) -> dict:
@@ -295,15 +289,20 @@ class LlamaCppMethod:
         return out
 
 
-def zlab_python() -> str | None:
-    """The interpreter of the Z Lab virtualenv: $DFLASHKIT_ZLAB_PYTHON, else .venv-zlab/ in the repo."""
+def peer_python(peer: str) -> str | None:
+    """The interpreter of a peer's own virtualenv: $DFLASHKIT_<PEER>_PYTHON, else .venv-<peer>/ in the repo."""
     import os
 
-    env = os.environ.get("DFLASHKIT_ZLAB_PYTHON")
+    env = os.environ.get(f"DFLASHKIT_{peer.upper()}_PYTHON")
     if env:
         return env
-    cand = Path(__file__).resolve().parents[2] / ".venv-zlab" / "bin" / "python"
+    cand = Path(__file__).resolve().parents[2] / f".venv-{peer}" / "bin" / "python"
     return str(cand) if cand.exists() else None
+
+
+def zlab_python() -> str | None:
+    """The interpreter of the Z Lab virtualenv (scripts/zlab-env.sh)."""
+    return peer_python("zlab")
 
 
 def run_items(method, items: list[list[str]], tok, max_new: int, desc: str) -> tuple[list[Turn], list[list[int]]]:

@@ -349,3 +349,26 @@ def build_app(engine: DFlashEngine, tokenizer, model_name: str, block_size: int,
 
     app.state.scheduler = sched
     return app
+
+
+def serve_in_thread(app, host: str = "127.0.0.1", timeout: float = 60.0):
+    """Run `app` under uvicorn in a daemon thread on a free port (tests, load benchmarks).
+
+    Returns (server, thread, base_url) once it accepts connections; stop it with `server.should_exit = True`
+    and `thread.join()`."""
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.time() + timeout
+    while not srv.started:
+        if time.time() > deadline or not th.is_alive():
+            raise DFlashError(f"the server did not start on {host}:{port} within {timeout:.0f} s")
+        time.sleep(0.05)
+    return srv, th, f"http://{host}:{port}"
