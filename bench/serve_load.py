@@ -104,9 +104,14 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--modes", default="ar,dflash-b8,vllm,vllm-dflash-b8")
     ap.add_argument("--out", default="bench/results/serve-load")
+    ap.add_argument("--report-only", action="store_true", help="rewrite serve_load.md/.png from serve_load.json")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        saved = json.loads((out / "serve_load.json").read_text())
+        print(report(saved["meta"], saved["rows"], out))
+        return 0
     prompts = [q["turns"][0] for q in mtbench_questions()][: args.requests]
     target, tok = load_target(dtype=args.dtype)
     drafter, _ = load_default_drafter(target, tok)
@@ -155,23 +160,42 @@ def main() -> int:
                              "latency_s_median": round(statistics.median(r[1] for r in res), 3),
                              "tau": round(tau, 3)})
                 print(rows[-1], flush=True)
-    meta = {"command": " ".join(sys.argv), "threads": threads, "dtype": args.dtype,
+    meta = {"command": " ".join(sys.argv), "threads": threads, "dtype": args.dtype, "requests": len(prompts),
             "max_tokens": args.max_tokens, "prompts": "MT-Bench first turns", "skipped": skipped}
     (out / "serve_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(report(meta, rows, out))
+    return 0
+
+
+def report(meta: dict, rows: list[dict], out: Path) -> str:
+    """serve_load.md (one wide table: every mode side by side per concurrency, then the long table) + .png."""
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    cell = {(r["mode"], r["concurrency"]): r for r in rows}
+    concs = sorted({r["concurrency"] for r in rows})
     md = [f"# Serving load (`{meta['command']}`)", "",
-          f"{len(prompts)} chat requests (MT-Bench first turns), max_tokens {args.max_tokens}, T=0, {args.dtype}, "
-          f"{threads} CPU threads for every engine (vLLM bound to cores 0-{threads - 1}), loopback, openai client.", "",
-          "| mode | concurrency | throughput tok/s | per-user tok/s (median) | latency s (median) | tau |",
-          "|---|---|---|---|---|---|"]
+          f"{meta.get('requests', 16)} chat requests (MT-Bench first turns), max_tokens {meta['max_tokens']}, T=0, "
+          f"{meta['dtype']}, {meta['threads']} CPU threads for every engine (vLLM bound to cores "
+          f"0-{meta['threads'] - 1}), loopback, openai client.", "",
+          "Side by side: aggregate throughput tok/s / median per-user tok/s (tau for the DFlash modes).", "",
+          "| concurrency | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
+    for c in concs:
+        cells = []
+        for m in modes:
+            r = cell.get((m, c))
+            cells.append("-" if r is None else f"{r['throughput_tok_s']:.0f} / {r['per_user_tok_s_median']:.1f}"
+                         + (f" (tau {r['tau']:.2f})" if r["tau"] > 1 else ""))
+        md.append(f"| {c} | " + " | ".join(cells) + " |")
+    md += ["", "| mode | concurrency | throughput tok/s | per-user tok/s (median) | latency s (median) | tau |",
+           "|---|---|---|---|---|---|"]
     md += [f"| {r['mode']} | {r['concurrency']} | {r['throughput_tok_s']} | {r['per_user_tok_s_median']} | "
            f"{r['latency_s_median']} | {r['tau']} |" for r in rows]
-    md += [f"\nskipped `{m}`: {why}" for m, why in skipped.items()]
+    md += [f"\nskipped `{m}`: {why}" for m, why in meta.get("skipped", {}).items()]
     (out / "serve_load.md").write_text("\n".join(md) + "\n")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in dict.fromkeys(r["mode"] for r in rows):
+    for mode in modes:
         rr = [r for r in rows if r["mode"] == mode]
         axes[0].plot([r["concurrency"] for r in rr], [r["throughput_tok_s"] for r in rr], marker="o", label=mode)
         axes[1].plot([r["concurrency"] for r in rr], [r["per_user_tok_s_median"] for r in rr], marker="o", label=mode)
@@ -182,8 +206,8 @@ def main() -> int:
         ax.legend()
     fig.tight_layout()
     fig.savefig(out / "serve_load.png", dpi=120)
-    print("\n".join(md))
-    return 0
+    plt.close(fig)
+    return "\n".join(md)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ def test_dataset_loaders():
     assert len(he) == 164 and all(len(x) == 1 and "def " in x[0] for x in he)
     mt = load_dataset("mt-bench")
     assert len(mt) == 80 and all(len(x) == 2 for x in mt)
+    assert load_dataset("mt-bench-t1") == [x[:1] for x in mt]  # first turns only
     assert len(load_dataset("math")) == 30 and "boxed" in load_dataset("math")[0][0]
     assert len(load_dataset("humaneval", limit=5)) == 5
     with pytest.raises(DFlashError, match="speed-bench-dir"):

@@ -43,6 +43,8 @@ def load_dataset(name: str, limit: int | None = None, speed_bench_dir: str | Non
         items = [[HUMANEVAL_WRAPPER.format(p["prompt"].strip())] for p in data.humaneval_prompts()]
     elif name == "mt-bench":
         items = [list(q["turns"]) for q in data.mtbench_questions()]
+    elif name == "mt-bench-t1":  # first turns only (the 80 prompts the training acceptance bar is set on)
+        items = [[q["turns"][0]] for q in data.mtbench_questions()]
     elif name == "sharegpt-heldout":
         records, _ = data.build_prompts()
         items = [[r["messages"][0]["content"]] for r in records if r["split"] == "heldout"]
@@ -60,8 +62,8 @@ def load_dataset(name: str, limit: int | None = None, speed_bench_dir: str | Non
                     rec = json.loads(line)
                     items.append(list(rec["turns"]) if "turns" in rec else [rec["prompt"]])
     else:
-        raise DFlashError(f"unknown dataset {name!r}; choose from humaneval, mt-bench, sharegpt-heldout, math, "
-                          "speed-bench, or pass --prompts FILE.jsonl.")
+        raise DFlashError(f"unknown dataset {name!r}; choose from humaneval, mt-bench, mt-bench-t1, sharegpt-heldout, "
+                          "math, speed-bench, or pass --prompts FILE.jsonl.")
     return items[:limit] if limit else items
 
 

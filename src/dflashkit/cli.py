@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="tau and speed vs autoregressive decoding and the peers")
     b.add_argument("--dataset", action="append", default=None,
-                   help="humaneval | mt-bench | sharegpt-heldout | math | speed-bench (repeatable)")
+                   help="humaneval | mt-bench | mt-bench-t1 (first turns) | sharegpt-heldout | math | speed-bench (repeatable)")
     b.add_argument("--prompts", default=None, help='JSONL, one {"prompt": ...} or {"messages": [...]} per line')
     b.add_argument("--limit", type=int, default=None)
     b.add_argument("--max-new-tokens", type=int, default=256)
