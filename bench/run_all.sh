@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
-# Regenerates the committed benchmark results (quiet 2-core CPU, ~2 h in all; nothing else may run meanwhile).
-#   bench/results/main   : every method on all 164 HumanEval + 80 MT-Bench (2 turns) prompts, 128 new tokens, B=16
-#   bench/results/sweeps : block size 4/8/16, T=0 and T=1, batch size 1/4/8/16 for ar and dflash, 16 HumanEval prompts
-# Needs: make .venv/.stamp; optional peers: scripts/llamacpp-build.sh (llamacpp), scripts/zlab-env.sh (zlab).
+# Regenerates the committed benchmark results (quiet 2-core CPU, ~3.5 h in all; nothing else may run meanwhile).
+#   bench/results/main           : every method on all 164 HumanEval + 80 MT-Bench (2 turns), 128 new tokens, B=16
+#   bench/results/acceptance-256 : the training acceptance setting: 164 HumanEval + 80 MT-Bench first turns,
+#                                  256 new tokens, B=16, ar and dflash (+ the mismatch audit, float64 re-decodes)
+#   bench/results/sweeps         : block size 4/8/16, T=0 and T=1, batch size 1/4/8/16, 16 HumanEval prompts
+#   bench/results/vllm-peers     : ar, dflash, vllm, vllm-dflash on 20 HumanEval + 20 MT-Bench questions
+#   bench/results/serve-load     : dflashkit serve vs vllm serve, AR and DFlash, concurrency 1-16
+# Needs: make .venv/.stamp; optional peers: scripts/llamacpp-build.sh (llamacpp), scripts/zlab-env.sh (zlab),
+# scripts/vllm-env.sh (vllm; also `scripts/vllm_check.py`, the float32 equivalence checks, ~6 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export TQDM_DISABLE=${TQDM_DISABLE:-0}
 B=.venv/bin/dflashkit
 $B bench --dataset humaneval --dataset mt-bench --max-new-tokens 128 --block-size 16 \
     --methods ar,dflash,zlab,hf,hf-lookup,llamacpp --out bench/results/main
+$B bench --dataset humaneval --dataset mt-bench-t1 --max-new-tokens 256 --block-size 16 \
+    --methods ar,dflash --out bench/results/acceptance-256
+.venv/bin/python bench/mismatch_audit.py bench/results/acceptance-256 --noise-prompts 24
 $B bench --dataset humaneval --limit 16 --max-new-tokens 128 \
     --block-size 4 --block-size 8 --block-size 16 --temperature 0 --temperature 1 \
     --batch-size 1 --batch-size 4 --batch-size 8 --batch-size 16 --methods ar,dflash --out bench/results/sweeps
+$B bench --dataset humaneval --dataset mt-bench --limit 20 --max-new-tokens 128 --block-size 16 \
+    --methods ar,dflash,vllm,vllm-dflash --out bench/results/vllm-peers
+.venv/bin/python bench/serve_load.py --out bench/results/serve-load

@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/serve_load.py [--requests 16] [--max-tokens 64] [--out bench/results/serve-load]
 
-Modes (`--modes`, comma list): `ar` and `dflash-b8` (`dflashkit serve` in-process, block size 1 / 8 with the
-bundled drafter), `vllm` and `vllm-dflash-b8` (`vllm serve` from .venv-vllm, plain / with the bundled drafter
+Modes (`--modes`, comma list): `ar` and `dflash-b8` (`dflashkit serve` in its own process, block size 1 / 8 with
+the bundled drafter), `vllm` and `vllm-dflash-b8` (`vllm serve` from .venv-vllm, plain / with the bundled drafter
 as `--speculative-config method=dflash`; built by scripts/vllm-env.sh, skipped with a message when absent).
 Every engine gets the same CPU threads (torch's count here; vLLM bound to cores 0..n-1). `--requests` chat
 requests (MT-Bench first turns, T=0) are sent by the `openai` client at concurrency 1, 2, 4, 8, 16. Reported:
@@ -37,16 +37,40 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def dflashkit_server(engine, tok, block: int):
-    from dflashkit.server import build_app, serve_in_thread
-
-    app = build_app(engine, tok, "smollm2", block_size=block, max_batch=16, max_queue=64, max_len=1024)
-    srv, th, url = serve_in_thread(app)
+def server_process(cmd: list[str], env: dict, log: Path, base: str, name: str):
+    """Start a server process, wait for /health (start-up can take minutes on 2 cores), stop it afterwards."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     try:
-        yield url, None
+        t0 = time.time()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited ({proc.returncode}); see {log}")
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(base + "/health", timeout=5).status == 200:
+                    break
+            if time.time() - t0 > 600:
+                raise RuntimeError(f"{name} did not start in 10 minutes; see {log}")
+            time.sleep(2)
+        yield
     finally:
-        srv.should_exit = True
-        th.join(30)
+        proc.terminate()
+        proc.wait(60)
+
+
+@contextlib.contextmanager
+def dflashkit_server(block: int, dtype: str, threads: int, log: Path):
+    """`dflashkit serve` in its own process, like `vllm serve`: the load generator never shares its interpreter."""
+    import os
+
+    port = free_port()
+    cmd = [str(Path(sys.executable).parent / "dflashkit"), "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", dtype, "--block-size", str(block), "--max-batch", "16", "--max-len", "1024",
+           "--model-name", "smollm2"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    base = f"http://127.0.0.1:{port}"
+    with server_process(cmd, env, log, base, "dflashkit serve"):
+        yield base, None
 
 
 def vllm_counters(base: str) -> tuple[float, float]:
@@ -70,33 +94,17 @@ def vllm_server(py: str, target_dir: str, drafter_dir: str | None, block: int, d
                                                      "num_speculative_tokens": block - 1})]
     env = vllm_env(py, threads)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server keeps its engine in its own process
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
-    try:
-        t0 = time.time()
-        while True:  # start-up compiles the model: 1.5-3 minutes on 2 cores
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({proc.returncode}); see {log}")
-            with contextlib.suppress(OSError):
-                if urllib.request.urlopen(base + "/health", timeout=5).status == 200:
-                    break
-            if time.time() - t0 > 600:
-                raise RuntimeError(f"vllm serve did not start in 10 minutes; see {log}")
-            time.sleep(2)
+    with server_process(cmd, env, log, base, "vllm serve"):
         yield base, (lambda: vllm_counters(base)) if drafter_dir else None
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 def main() -> int:
     from openai import OpenAI
 
-    from dflashkit import DFlashEngine
     from dflashkit.bench import vllm_python
     from dflashkit.data import mtbench_questions
-    from dflashkit.loader import BUNDLED_DRAFTER, load_default_drafter, load_target, resolve_target_dir
+    from dflashkit.loader import BUNDLED_DRAFTER, resolve_target_dir
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=16)
@@ -113,8 +121,6 @@ def main() -> int:
         print(report(saved["meta"], saved["rows"], out))
         return 0
     prompts = [q["turns"][0] for q in mtbench_questions()][: args.requests]
-    target, tok = load_target(dtype=args.dtype)
-    drafter, _ = load_default_drafter(target, tok)
     threads = torch.get_num_threads()
     rows, skipped = [], {}
     for mode in args.modes.split(","):
@@ -128,7 +134,7 @@ def main() -> int:
             server = vllm_server(py, str(resolve_target_dir(None)), str(BUNDLED_DRAFTER) if block > 1 else None,
                                  block, args.dtype, threads, out / f"{mode}.log")
         else:
-            server = dflashkit_server(DFlashEngine(target, drafter, tokenizer=tok, block_size=block), tok, block)
+            server = dflashkit_server(block, args.dtype, threads, out / f"{mode}.log")
         with server as (base, counters):
             client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
 

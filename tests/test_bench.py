@@ -67,6 +67,43 @@ def test_accepted_lengths_from_vllm_counters():
     assert accepted_from_counters(0, [0, 0]) == []
 
 
+def test_rounding_noise_is_zero_in_float64_and_measured_in_bfloat16():
+    from conftest import make_target
+
+    from dflashkit.bench import noise_summary, rounding_noise
+
+    for arch in ("llama", "gemma3"):  # gemma3: sliding-window layers see the block path too
+        t64 = make_target(arch, torch.float64)
+        prompt = [5, 9, 17, 33, 4, 60, 7]
+        ar = [int(x) for x in torch.randint(4, 90, (40,), generator=torch.Generator().manual_seed(1))]
+        rows = rounding_noise(t64, prompt, ar, block=8)
+        assert len(rows) == 40 and all(r["gap"] >= 0 for r in rows)
+        summary = noise_summary(rows)  # both paths are exact in exact arithmetic: float64 leaves ~1e-13
+        assert summary["positions"] == 40 and summary["max"] < 1e-9 and summary["flips"] == 0
+        t16 = make_target(arch, torch.bfloat16)
+        rows16 = rounding_noise(t16, prompt, ar, block=8)
+        assert noise_summary(rows16)["max"] > 0  # bf16: a block forward rounds differently from a one-token one
+
+
+def test_near_tie_uses_the_measured_noise_bound():
+    from conftest import make_target
+
+    from dflashkit.bench import first_divergence
+
+    t = make_target("llama", torch.float64)
+    prompt = [5, 9, 17]
+    with torch.no_grad():
+        logits = t.model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    top2 = logits.topk(2)
+    gap = float(top2.values[0] - top2.values[1])
+    a, b = [int(top2.indices[0])], [int(top2.indices[1])]
+    d = first_divergence(t, prompt, a, b)
+    assert d["index"] == 0 and d["gap"] == pytest.approx(gap) and not d["near_tie"]  # a real gap in float64
+    assert first_divergence(t, prompt, a, b, noise_bound=gap + 1e-6)["near_tie"]
+    assert not first_divergence(t, prompt, a, b, noise_bound=gap / 2)["near_tie"]
+    assert first_divergence(t, prompt, a, a) is None
+
+
 def test_near_tie_threshold():
     assert near_tie_threshold(20.0, torch.bfloat16) == pytest.approx(0.25)  # 2 ulps at 16..32 (7-bit mantissa)
     assert near_tie_threshold(3.0, torch.bfloat16) == pytest.approx(2 * 2 ** -6)
@@ -94,7 +131,9 @@ def test_report_schema_on_the_real_target(tmp_path, monkeypatch):
             assert {"tau", "tokens_per_s", "speedup_vs_ar", "tpot_ms", "ttft_ms", "acceptance",
                     "accepted_length_histogram"} <= set(r)
             if m != "ar":
-                assert set(r["mismatches_vs_ar"]) == {"count", "near_ties", "details"}
+                assert set(r["mismatches_vs_ar"]) == {"count", "near_ties", "near_ties_2ulp", "details"}
+        noise = saved["results"][d]["ar"]["rounding_noise"]  # the near-tie bound, measured on this run
+        assert noise["positions"] > 0 and noise["max"] >= 0 and noise["block_size"] == 4
         assert saved["results"][d]["ar"]["speedup_vs_ar"] == 1.0
         dfl = saved["results"][d]["dflash-b4"]
         assert len(dfl["acceptance"]) == 3 and 1 + sum(dfl["acceptance"]) == pytest.approx(dfl["tau"], abs=1e-3)

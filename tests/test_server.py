@@ -175,3 +175,46 @@ def test_full_queue_gets_429_and_shutdown_drains_in_flight_requests():
     th.join(60)
     assert status == 200 and payload["choices"][0]["message"]["content"]
     assert not th.is_alive()
+
+
+def test_cli_serve_runs_the_engine_on_its_main_thread_and_drains_on_sigterm(tmp_path):
+    """`dflashkit serve` as users start it: HTTP in a thread, the engine loop on the main thread (one OpenMP
+    team, see Scheduler.run); SIGTERM while a request runs still answers it, then the process exits 0."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = Path(sys.executable).parent / "dflashkit"
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([str(exe), "serve", "--port", str(port), "--dtype", "float32", "--block-size", "4",
+                             "--max-len", "512"], stdout=log, stderr=subprocess.STDOUT)
+    server = {"url": f"http://127.0.0.1:{port}"}
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if urllib.request.urlopen(server["url"] + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                assert time.time() < deadline, "the server did not start"
+                time.sleep(0.5)
+        body = json.dumps({"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 60,
+                           "temperature": 0})
+        status, payload = post(server, body)
+        assert status == 200 and payload["usage"]["completion_tokens"] > 0
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(post, server, body)
+            while json.loads(urllib.request.urlopen(server["url"] + "/health").read())["running"] == 0:
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+            status2, payload2 = fut.result(timeout=120)
+        assert status2 == 200 and payload2["choices"][0]["message"]["content"] == payload["choices"][0]["message"]["content"]
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

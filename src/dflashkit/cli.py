@@ -137,16 +137,16 @@ def cmd_bench(args) -> int:
                       temperature=temps[0], temperatures=temps[1:], batch_sizes=args.batch_size or [],
                       methods=methods, out=args.out,
                       target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
-                      speed_bench_dir=args.speed_bench_dir, command="dflashkit " + " ".join(sys.argv[1:]))
+                      speed_bench_dir=args.speed_bench_dir, noise_prompts=args.noise_prompts, command="dflashkit " + " ".join(sys.argv[1:]))
     report = write_report(run_bench(cfg), args.out)
     print(markdown(report))
     return 0
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
+    import signal
 
-    from .server import build_app
+    from .server import build_app, serve_in_thread
 
     engine, tok, trained = load_models(args)
     if tok is None:
@@ -154,10 +154,20 @@ def cmd_serve(args) -> int:
     block = args.block_size if args.block_size is not None else engine.block_size
     engine.block_size = engine._check_block_size(block)
     name = args.model_name or ("smollm2-135m-instruct-dflash" if args.target is None else str(args.target))
-    app = build_app(engine, tok, name, block, max_batch=args.max_batch, max_queue=args.max_queue, max_len=args.max_len)
-    log.info("serving %s (block size %d, drafter %s) on http://%s:%d", name, block,
-             "trained" if trained else "UNTRAINED", args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    app = build_app(engine, tok, name, block, max_batch=args.max_batch, max_queue=args.max_queue, max_len=args.max_len,
+                    engine_thread=False)
+    # HTTP in a thread, the engine loop on this (main) thread, which loaded the model: one OpenMP thread team
+    # (see Scheduler.run). SIGINT/SIGTERM stop uvicorn, whose shutdown drains the scheduler; run() then returns.
+    srv, th, url = serve_in_thread(app, host=args.host, port=args.port)
+
+    def stop(signum, frame):
+        srv.should_exit = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    log.info("serving %s (block size %d, drafter %s) on %s", name, block, "trained" if trained else "UNTRAINED", url)
+    app.state.scheduler.run()
+    th.join(60)
     return 0
 
 
@@ -224,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--block-size", type=int, action="append", default=None, help="repeatable (default 16)")
     b.add_argument("--temperature", type=float, action="append", default=None,
                    help="repeatable; the first runs every method, later ones add ar/dflash rows named m@T<t>")
+    b.add_argument("--noise-prompts", type=int, default=8,
+                   help="AR outputs on which the near-tie bound of mismatches_vs_ar is measured (block vs one-token rounding)")
     b.add_argument("--batch-size", type=int, action="append", default=None,
                    help="repeatable: throughput sweep of ar/dflash with N prompts decoded together (first turns)")
     b.add_argument("--methods", action="append", default=None, help="comma list: ar,dflash,hf,hf-lookup")

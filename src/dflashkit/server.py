@@ -102,17 +102,33 @@ class Scheduler:
         self.metrics = Metrics()
         self._ids = itertools.count()
         self._stop = threading.Event()
+        self._done = threading.Event()
         self._draining = False
-        self.thread = threading.Thread(target=self._run, name="dflashkit-engine", daemon=True)
+        self.thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Run the engine loop in a new thread (tests, embedding). `dflashkit serve` calls `run()` on its main
+        thread instead: see `run`."""
+        self.thread = threading.Thread(target=self.run, name="dflashkit-engine", daemon=True)
         self.thread.start()
 
+    def run(self) -> None:
+        """The engine loop, in the calling thread, until `shutdown`.
+
+        Why the thread matters: torch's OpenMP runtime keeps one thread team per thread that ran a parallel op.
+        Once two teams exist (the thread that loaded the model, and an engine thread) and their threads outnumber
+        the cores, libgomp stops spinning between parallel regions and every op pays a wake-up: on 2 cores a
+        one-token decode step got ~1.5x slower. Running the loop on the thread that loaded the model avoids that."""
+        try:
+            self._run()
+        finally:
+            self._done.set()
+
     def shutdown(self, timeout: float = 60.0) -> None:
-        """Stop admitting; in-flight requests finish (drain), then the worker exits."""
+        """Stop admitting; in-flight requests finish (drain), then the engine loop returns."""
         self._draining = True
         self._stop.set()
-        self.thread.join(timeout)
+        self._done.wait(timeout)
 
     def submit(self, prompt_ids, sampling: SamplingParams, max_new_tokens: int, stop) -> _Job:
         if self._draining:
@@ -189,7 +205,9 @@ class OverloadError(Exception):
 
 
 def build_app(engine: DFlashEngine, tokenizer, model_name: str, block_size: int, max_batch: int = 8,
-              max_queue: int = 64, max_len: int = 2048):
+              max_queue: int = 64, max_len: int = 2048, engine_thread: bool = True):
+    """The FastAPI app. engine_thread=False: the caller runs `app.state.scheduler.run()` itself (on the thread
+    that loaded the model, as `dflashkit serve` does); otherwise the app starts an engine thread at start-up."""
     from typing import Literal
 
     from fastapi import FastAPI, Request
@@ -232,7 +250,8 @@ def build_app(engine: DFlashEngine, tokenizer, model_name: str, block_size: int,
 
     @asynccontextmanager
     async def lifespan(app):
-        sched.start()
+        if engine_thread:
+            sched.start()
         yield
         # drain: stop admitting, let in-flight requests finish
         await asyncio.get_running_loop().run_in_executor(None, sched.shutdown)
@@ -351,8 +370,8 @@ def build_app(engine: DFlashEngine, tokenizer, model_name: str, block_size: int,
     return app
 
 
-def serve_in_thread(app, host: str = "127.0.0.1", timeout: float = 60.0):
-    """Run `app` under uvicorn in a daemon thread on a free port (tests, load benchmarks).
+def serve_in_thread(app, host: str = "127.0.0.1", timeout: float = 60.0, port: int | None = None):
+    """Run `app` under uvicorn in a daemon thread (on a free port unless `port` is given).
 
     Returns (server, thread, base_url) once it accepts connections; stop it with `server.should_exit = True`
     and `thread.join()`."""
@@ -360,9 +379,10 @@ def serve_in_thread(app, host: str = "127.0.0.1", timeout: float = 60.0):
 
     import uvicorn
 
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
+    if port is None:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
     srv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
