@@ -29,10 +29,8 @@ import json
 import sys
 from pathlib import Path
 
-from tqdm import tqdm
-
 from dflashkit import DFlashEngine
-from dflashkit.bench import load_dataset, markdown, noise_summary, rounding_noise
+from dflashkit.bench import calibrate_noise, is_near_tie, load_dataset, noise_summary, write_markdown
 from dflashkit.loader import encode_chat, load_default_drafter, load_target
 
 
@@ -50,7 +48,6 @@ def main() -> int:
     outputs = json.loads(gzip.open(out / "outputs.json.gz", "rt").read())
     dtype = report["machine"]["dtype"]
     target, tok = load_target(dtype=dtype)
-    drafter, _ = load_default_drafter(target, tok)
     audit: dict = {"source": str(out), "dtype": dtype, "datasets": {}}
     noise_all: list[dict] = []
     t64 = None
@@ -61,24 +58,16 @@ def main() -> int:
         if items is None:
             continue
         items = items[: len(outputs[dname]["ar"])]
-        firsts, off = [], 0  # (prompt ids, AR tokens) of each item's first turn
-        for item in items:
-            firsts.append((encode_chat(tok, item[0]), outputs[dname]["ar"][off]))
-            off += len(item)
-        noise: list[dict] = []
-        for k, (prompt, toks) in enumerate(tqdm(firsts[: args.noise_prompts], desc=f"{dname}: rounding noise",
-                                                 unit="prompt")):
-            if len(toks) > 1:
-                noise += rounding_noise(target, prompt, toks, block, seed=k)
+        summary, noise = calibrate_noise(target, tok, items, outputs[dname]["ar"], block, args.noise_prompts)
         noise_all += noise
         mm = rows[method]["mismatches_vs_ar"]
-        bound = noise_summary(noise)["max"]
+        bound = summary["max"]
         cases = []
         for d in mm["details"]:
             case = dict(d)
             case["within_2ulp"] = "gap" in d and d["gap"] <= d["threshold"]
             case["noise_bound"] = bound
-            case["near_tie"] = "gap" in d and d["gap"] <= max(d["threshold"], bound)
+            case["near_tie"] = "gap" in d and is_near_tie(d["gap"], d["threshold"], bound)
             if not case["within_2ulp"]:
                 if t64 is None:
                     t64, _ = load_target(dtype="float64")
@@ -103,7 +92,7 @@ def main() -> int:
         audit["datasets"][dname] = {
             "method": method, "mismatches": mm["count"], "near_ties_2ulp": sum(c["within_2ulp"] for c in cases),
             "near_ties": sum(c["near_tie"] for c in cases), "cases": cases,
-            "noise": {"prompts": min(args.noise_prompts, len(firsts)), "block_size": block, **noise_summary(noise)}}
+            "noise": summary}
         if args.apply:
             rows["ar"]["rounding_noise"] = audit["datasets"][dname]["noise"]
             keep = ("item", "turn", "index", "gap", "threshold", "noise_bound", "near_tie", "stop_only")
@@ -116,8 +105,7 @@ def main() -> int:
     (out / "mismatch_audit.json").write_text(json.dumps(audit, indent=2) + "\n")
     if args.apply:
         (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / "results.md").write_text(f"# Benchmark\n\n`{report['settings'].get('command', '')}`\n\n" + markdown(report)
-                                        + "\nMismatches classified by `bench/mismatch_audit.py --apply` (see mismatch_audit.md).\n")
+        write_markdown(report, out, "\nMismatches classified by `bench/mismatch_audit.py --apply` (see mismatch_audit.md).\n")
     md = [f"# Mismatch audit of `{out}` ({dtype})", "",
           "Rounding noise: |top-2 gap, one token per forward - the same gap, blocks per forward| over the AR outputs.", "",
           "| dataset | method | mismatches | within 2 ulps | within measured noise | outside both | outside 2 ulps, "

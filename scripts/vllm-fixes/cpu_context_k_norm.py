@@ -25,18 +25,13 @@ ANCHOR = """        all_k_normed = torch.empty_like(all_k)
             self._rms_norm_eps,
         )
         return all_k_normed"""
-PATCH = f"""        all_k_normed = torch.empty_like(all_k)
-        if current_platform.is_cpu():  {MARK}
+FIRST = "        all_k_normed = torch.empty_like(all_k)\n"
+# the CPU branch goes right after ANCHOR's first line; the original grouped call stays for other platforms
+PATCH = ANCHOR.replace(FIRST, FIRST + f"""        if current_platform.is_cpu():  {MARK}
             for i in range(all_k.shape[0]):
                 ops.rms_norm(all_k_normed[i], all_k[i].contiguous(), self._k_norm_weights[i], self._rms_norm_eps)
             return all_k_normed
-        ops.rms_norm(
-            all_k_normed,
-            all_k,
-            self._k_norm_weights,
-            self._rms_norm_eps,
-        )
-        return all_k_normed"""
+""", 1)
 
 
 def main() -> int:

@@ -521,7 +521,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             r["speedup_vs_ar"] = round(r["tokens_per_s"] / ar, 4) if ar else None
             if cfg.temperature == 0 and base is None and mname != "ar":
                 if "rounding_noise" not in results[dname]["ar"]:
-                    results[dname]["ar"]["rounding_noise"] = calibrate_noise(
+                    results[dname]["ar"]["rounding_noise"], _ = calibrate_noise(
                         target, tok, sets[dname], outputs[dname]["ar"], max(cfg.block_sizes), cfg.noise_prompts)
                 r["mismatches_vs_ar"] = mismatches(target, tok, sets[dname], outputs[dname]["ar"], outputs[dname][mname],
                                                    results[dname]["ar"]["rounding_noise"])
@@ -547,8 +547,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     }
 
 
-def calibrate_noise(target, tok, items, ar_outputs, block: int, n_prompts: int) -> dict:
-    """`noise_summary` of `rounding_noise` over the first turns of the first `n_prompts` items (AR outputs)."""
+def calibrate_noise(target, tok, items, ar_outputs, block: int, n_prompts: int) -> tuple[dict, list[dict]]:
+    """`rounding_noise` over the first turns of the first `n_prompts` items (AR outputs): (its `noise_summary`
+    with the prompt count and block size, the per-position rows)."""
     from tqdm import tqdm
 
     from .loader import encode_chat
@@ -558,12 +559,17 @@ def calibrate_noise(target, tok, items, ar_outputs, block: int, n_prompts: int) 
         if len(ar_outputs[off]) > 1:
             rows += rounding_noise(target, encode_chat(tok, item[0]), ar_outputs[off], block, seed=k)
         off += len(item)
-    return {"prompts": min(n_prompts, len(items)), "block_size": block, **noise_summary(rows)}
+    return {"prompts": min(n_prompts, len(items)), "block_size": block, **noise_summary(rows)}, rows
+
+
+def is_near_tie(gap: float, threshold: float, noise_bound: float) -> bool:
+    """The near-tie rule: the top-2 gap is within 2 ulps (`near_tie_threshold`) or within the measured noise."""
+    return gap <= max(threshold, noise_bound)
 
 
 def first_divergence(target, prompt: list[int], a: list[int], b: list[int], noise_bound: float = 0.0) -> dict | None:
-    """Where two greedy continuations part, and the target's top-2 logit gap there (one-token decoding of the
-    common prefix). None when they do not part at a token choice (equal, or one is a prefix: a stop)."""
+    """Where two greedy continuations part, and the target's top-2 logit gap there (one forward over the common
+    prefix). None when they do not part at a token choice (equal, or one is a prefix: a stop)."""
     i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if i is None:
         return None
@@ -573,7 +579,7 @@ def first_divergence(target, prompt: list[int], a: list[int], b: list[int], nois
     limit = near_tie_threshold(top[0], target.dtype)
     gap = top[0] - top[1]
     return {"index": i, "gap": gap, "threshold": limit, "noise_bound": noise_bound,
-            "near_tie": gap <= max(limit, noise_bound)}
+            "near_tie": is_near_tie(gap, limit, noise_bound)}
 
 
 def mismatches(target, tok, items, ar_outputs, outputs, noise: dict | None = None) -> dict:
@@ -736,6 +742,12 @@ def plots(report: dict, out: Path) -> list[Path]:
     return paths
 
 
+def write_markdown(report: dict, out: Path, footer: str = "") -> None:
+    """DIR/results.md: the command, then `markdown(report)` (and `footer`)."""
+    (out / "results.md").write_text(f"# Benchmark\n\n`{report['settings'].get('command', '')}`\n\n"
+                                    + markdown(report) + footer)
+
+
 def write_report(report: dict, out_dir: str | Path) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -747,7 +759,6 @@ def write_report(report: dict, out_dir: str | Path) -> dict:
         with gzip.open(out / "outputs.json.gz", "wt") as f:
             json.dump(outputs, f)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    md = markdown(report)
-    (out / "results.md").write_text(f"# Benchmark\n\n`{report['settings'].get('command', '')}`\n\n" + md)
+    write_markdown(report, out)
     plots(report, out)
     return report
