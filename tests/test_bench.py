@@ -150,14 +150,18 @@ def test_report_schema_on_the_real_target(tmp_path, monkeypatch):
 @pytest.mark.real
 def test_sweeps_block_size_temperature_and_batch(tmp_path):
     cfg = BenchConfig(datasets=["humaneval"], limit=2, max_new_tokens=6, block_sizes=[2, 4], temperatures=[1.0],
-                      batch_sizes=[1, 2], methods=["ar", "dflash"], out=str(tmp_path), dtype="float32")
+                      batch_sizes=[1, 2], methods=["ar", "dflash", "dflash-lookup", "lookup"], out=str(tmp_path),
+                      dtype="float32", lookup=4, lookup_block_sizes=[4])
     report = write_report(run_bench(cfg), tmp_path)
     rows = report["results"]["humaneval"]
-    assert set(rows) == {"ar", "dflash-b2", "dflash-b4", "ar@T1", "dflash-b2@T1", "dflash-b4@T1"}
+    plain = {"ar", "dflash-b2", "dflash-b4", "dflash-b4-lookup4", "lookup4"}
+    assert set(rows) == plain | {f"{m}@T1" for m in plain}
+    assert len(rows["lookup4"]["acceptance"]) == 4 and len(rows["dflash-b4-lookup4"]["acceptance"]) == 4
+    assert "mismatches_vs_ar" in rows["dflash-b4-lookup4"]
     assert rows["ar@T1"]["speedup_vs_ar"] == 1.0  # each temperature has its own ar baseline
     assert "mismatches_vs_ar" in rows["dflash-b4"] and "mismatches_vs_ar" not in rows["dflash-b4@T1"]
     sweep = report["sweeps"]["batch"]["humaneval"]
-    assert set(sweep) == {"ar", "dflash-b2", "dflash-b4"}
+    assert set(sweep) == plain
     for r in sweep.values():
         assert set(r) == {"1", "2"} and all(v["tokens_per_s"] > 0 and v["prompts"] == 2 for v in r.values())
     assert sweep["ar"]["2"]["tau"] == 1.0 and sweep["dflash-b4"]["1"]["tau"] >= 1.0

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dflashkit import DFlashEngine
+from dflashkit.lookup import LookupParams
 from dflashkit.loader import convert_gguf, default_gguf, encode_chat, load_default_drafter, load_target, resolve_target_dir
 
 pytestmark = pytest.mark.real
@@ -40,8 +41,12 @@ def test_greedy_speculative_matches_autoregressive_up_to_near_ties(real, capsys)
     n = 64
     ar = eng.generate(prompts, max_new_tokens=n, block_size=1)
     sp = eng.generate(prompts, max_new_tokens=n, block_size=8)
+    # the same with an n-gram lookup branch beside the block (a draft tree)
+    hybrid = DFlashEngine(eng.target, eng.drafter, tokenizer=tok, lookup=LookupParams(max_tokens=8, skip_drafter_n=2))
+    sp_lookup = hybrid.generate(prompts, max_new_tokens=n, block_size=8)
+    assert max(a for g in sp_lookup for a in g.stats.accepted) > 0
     near_ties = 0
-    for p, a, s in zip(prompts, ar, sp):
+    for p, a, s in [(p, a, s) for p, a, s1, s2 in zip(prompts, ar, sp, sp_lookup) for s in (s1, s2)]:
         if a.tokens == s.tokens:
             continue
         i = next(k for k, (x, y) in enumerate(zip(a.tokens, s.tokens)) if x != y)
@@ -74,6 +79,7 @@ def test_cli_generate_json_and_stop_string():
     (["--top-p", "1.5"], "top_p"),
     (["--drafter", "/nonexistent"], "not a directory"),
     (["--target", "/nonexistent"], "does not exist"),
+    (["--lookup", "-1"], "lookup length"),
 ])
 def test_cli_bad_input_names_the_remedy(argv, message):
     out = subprocess.run([sys.executable, "-m", "dflashkit.cli", "generate", "--prompt", "hi", "--max-new-tokens", "4"]

@@ -121,3 +121,59 @@ def test_bad_sampling_parameters(kw):
     from dflashkit import DFlashError
     with pytest.raises(DFlashError):
         SamplingParams(**kw)
+
+
+def lookup_oracle(t: Target, k: int):
+    """Lookup proposals that disagree with the greedy drafts in different places: by the committed length mod 3,
+    the target's argmax chain (a dead duplicate of the drafts), or its chain with the 2nd-ranked token at
+    slot 1 or slot 2 (a live branch off the anchor or off draft 1)."""
+    memo = {}
+
+    def fake(tokens, params):
+        key = tuple(tokens)
+        if key not in memo:
+            memo[key] = chain(key)
+        return memo[key], 1
+
+    def chain(tokens):
+        ctx = torch.tensor([list(tokens)])
+        out = []
+        for j in range(k):
+            ranked = t.model(input_ids=ctx).logits[0, -1].argsort(descending=True)
+            nxt = ranked[1] if j + 1 == (len(tokens) - 1) % 3 else ranked[0]
+            out.append(int(nxt))
+            ctx = torch.cat([ctx, nxt.view(1, 1)], dim=1)
+        return out
+    return fake
+
+
+def test_speculative_sampling_with_a_lookup_branch_matches_target_distribution(monkeypatch):
+    from dflashkit import engine as engine_mod
+    from dflashkit.lookup import LookupParams
+
+    params = SamplingParams(temperature=1.0)
+    t = small_target()
+    eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3), eos_token_ids=[],
+                       lookup=LookupParams(max_tokens=3))
+    greedy_oracle(eng, t)
+    monkeypatch.setattr(engine_mod, "propose", lookup_oracle(t, 3))
+    torch.manual_seed(4321)
+    counts = np.zeros((N_TOKENS, V))
+    accepted = []
+    with torch.inference_mode():
+        for _ in range(N_SAMPLES // 2000):
+            for g in eng.generate([PROMPT] * 2000, sampling=params, max_new_tokens=N_TOKENS):
+                for j, tok in enumerate(g.tokens):
+                    counts[j, tok] += 1
+                accepted += g.stats.accepted
+    assert max(accepted) >= 2 and min(accepted) == 0
+    exact = exact_marginals(t, params)
+    for j in range(N_TOKENS):
+        expected = exact[j] * N_SAMPLES
+        assert counts[j][expected == 0].sum() == 0, "emitted a token the target cannot emit"
+        keep = expected >= 5
+        obs = np.append(counts[j][keep], counts[j][~keep].sum())
+        exp = np.append(expected[keep], expected[~keep].sum())
+        obs, exp = obs[exp > 0], exp[exp > 0]
+        p = chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+        assert p > ALPHA, f"token {j}: chi-square p={p:.2e}\nobs={obs}\nexp={exp}"

@@ -176,10 +176,12 @@ def noise_summary(rows: list[dict]) -> dict:
 class EngineMethod:
     def __init__(self, engine, block_size: int, sampling, name: str):
         self.engine, self.block_size, self.sampling, self.name = engine, block_size, sampling, name
+        self.span = engine.depth_span(block_size)  # 1 + the deepest draft position (block or lookup branch)
+        self.speculative = block_size > 1 or engine.lookup.enabled
 
     def run(self, prompt_ids: list[list[int]], max_new: int) -> list[Turn]:
         gens = self.engine.generate(prompt_ids, sampling=self.sampling, max_new_tokens=max_new, block_size=self.block_size)
-        return [Turn(g.tokens, list(g.stats.accepted) if self.block_size > 1 else [], g.stats.new_tokens,
+        return [Turn(g.tokens, list(g.stats.accepted) if self.speculative else [], g.stats.new_tokens,
                      g.stats.ttft_s, g.stats.decode_s) for g in gens]
 
 
@@ -415,6 +417,10 @@ class BenchConfig:
     device: str = "cpu"
     speed_bench_dir: str | None = None
     noise_prompts: int = 8  # AR outputs (first turns) on which the near-tie bound is measured (`rounding_noise`)
+    # methods `dflash-lookup` (DFlash block + n-gram lookup branch, `tree.py`) and `lookup` (lookup alone):
+    lookup: int = 8  # longest lookup proposal
+    lookup_skip: int = 2  # skip the drafter when the lookup matched a suffix this long (0 = always draft)
+    lookup_block_sizes: list[int] = field(default_factory=list)  # DFlash block sizes with lookup (default: block_sizes)
     command: str = ""
 
 
@@ -422,6 +428,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     from .checkpoint import load_drafter
     from .engine import DFlashEngine
     from .loader import encode_chat, load_default_drafter, load_target, parse_dtype
+    from .lookup import LookupParams
     from .sampling import SamplingParams
 
     sampling = SamplingParams(temperature=cfg.temperature)
@@ -434,6 +441,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         drafter = None
     engine = DFlashEngine(target, drafter, tokenizer=tok)
     methods, skipped = {}, {}
+    k = cfg.lookup
     for m in cfg.methods:
         if m == "ar":
             methods["ar"] = EngineMethod(engine, 1, sampling, "ar")
@@ -442,6 +450,14 @@ def run_bench(cfg: BenchConfig) -> dict:
         elif m == "dflash":
             for b in cfg.block_sizes:
                 methods[f"dflash-b{b}"] = EngineMethod(engine, b, sampling, f"dflash-b{b}")
+        elif m == "dflash-lookup" and drafter is None:
+            skipped[m] = "no drafter for this target: pass --drafter DIR"
+        elif m in ("dflash-lookup", "lookup"):
+            lk = DFlashEngine(target, drafter, tokenizer=tok,
+                              lookup=LookupParams(max_tokens=k, skip_drafter_n=cfg.lookup_skip if m != "lookup" else 0))
+            for b in (cfg.lookup_block_sizes or cfg.block_sizes) if m == "dflash-lookup" else [1]:
+                name = f"dflash-b{b}-lookup{k}" if b > 1 else f"lookup{k}"
+                methods[name] = EngineMethod(lk, b, sampling, name)
         elif m == "hf":
             methods["hf"] = HFMethod(target, sampling, "hf", eos=tok.eos_token_id)
         elif m == "hf-lookup":
@@ -492,7 +508,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                     methods[f"vllm-dflash-b{b}"] = VLLMMethod(py, tdir, cfg.drafter or str(BUNDLED_DRAFTER), cfg.dtype,
                                                               b, f"vllm-dflash-b{b}", torch.get_num_threads())
         else:
-            raise DFlashError(f"unknown method {m!r}; choose from ar, dflash, hf, hf-lookup, llamacpp, zlab, vllm, vllm-dflash.")
+            raise DFlashError(f"unknown method {m!r}; choose from ar, dflash, dflash-lookup, lookup, hf, hf-lookup, llamacpp, "
+                              "zlab, vllm, vllm-dflash.")
     for m, why in skipped.items():
         log.warning("skipping %s: %s", m, why)
     if "ar" not in methods:
@@ -500,7 +517,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     sets = {d: load_dataset(d, cfg.limit, cfg.speed_bench_dir) for d in cfg.datasets}
     if cfg.prompts_file:
         sets[Path(cfg.prompts_file).stem] = load_prompt_file(cfg.prompts_file, cfg.limit)
-    engine.generate([encode_chat(tok, "Hello")], max_new_tokens=4, block_size=max(cfg.block_sizes))  # warm-up
+    for method in [m for m in methods.values() if isinstance(m, EngineMethod)]:  # warm-up
+        method.run([encode_chat(tok, "Hello")], 4)
     results: dict = {}
     outputs: dict = {}
     engine_methods = {n: m for n, m in methods.items() if isinstance(m, EngineMethod)}
@@ -508,13 +526,13 @@ def run_bench(cfg: BenchConfig) -> dict:
         results[dname], outputs[dname] = {}, {}
         for mname, method in methods.items():
             turns, outputs[dname][mname] = run_items(method, items, tok, cfg.max_new_tokens, f"{dname}/{mname}")
-            results[dname][mname] = aggregate(turns, max(getattr(method, "block_size", 1), 1))
+            results[dname][mname] = aggregate(turns, max(getattr(method, "span", getattr(method, "block_size", 1)), 1))
         for t in cfg.temperatures:  # the same engine rows, sampled: tau and speed at T > 0 (outputs differ by design)
             for mname, method in engine_methods.items():
                 name = f"{mname}@T{t:g}"
-                sampled = EngineMethod(engine, method.block_size, SamplingParams(temperature=t, seed=0), name)
+                sampled = EngineMethod(method.engine, method.block_size, SamplingParams(temperature=t, seed=0), name)
                 turns, _ = run_items(sampled, items, tok, cfg.max_new_tokens, f"{dname}/{name}")
-                results[dname][name] = aggregate(turns, max(method.block_size, 1))
+                results[dname][name] = aggregate(turns, max(sampled.span, 1))
         for mname, r in results[dname].items():
             base = mname.split("@")[1] if "@" in mname else None
             ar = results[dname]["ar" if base is None else f"ar@{base}"]["tokens_per_s"]
@@ -695,7 +713,7 @@ def plots(report: dict, out: Path) -> list[Path]:
     for d, rows in res.items():
         for m, r in rows.items():
             name, _, temp = m.partition("@")
-            if name == "ar" or name.startswith("dflash-b"):
+            if name == "ar" or (name.startswith("dflash-b") and name[len("dflash-b"):].isdigit()):
                 b = 1 if name == "ar" else int(name[len("dflash-b"):])
                 curves.setdefault(f"{d}" + (f" @{temp}" if temp else ""), []).append((b, r["tau"], r["tokens_per_s"]))
     if any(len(c) > 2 for c in curves.values()):

@@ -65,3 +65,11 @@ class PositionCache:
         # Advanced indices (rows, positions) around a slice put the indexed dims first: [B, T, kvh, hd].
         self.keys[layer_idx][rows, :, positions] = k.transpose(1, 2)
         self.values[layer_idx][rows, :, positions] = v.transpose(1, 2)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """src, dst: [B, T] slots. Copies every layer's K/V from slots src to slots dst (all reads happen before
+        any write, so src and dst may overlap). Used to bring an accepted tree branch to slot == position."""
+        rows = self._rows[:, None]
+        for cache in (self.keys, self.values):
+            for layer in cache:
+                layer[rows, :, dst] = layer[rows, :, src]

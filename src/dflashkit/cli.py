@@ -17,6 +17,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help="Z Lab-format drafter directory (default: the bundled drafter)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--lookup", type=int, default=None,
+                   help="also verify an n-gram lookup branch of up to N tokens copied from earlier in the sequence "
+                        "(0 = off; default: off, 8 for the bench's lookup methods)")
+    p.add_argument("--lookup-skip", type=int, default=2,
+                   help="skip the drafter's forward when the lookup matched a suffix of at least this many tokens (0 = never)")
 
 
 def load_models(args):
@@ -26,6 +31,7 @@ def load_models(args):
     from .checkpoint import load_drafter
     from .engine import DFlashEngine
     from .loader import load_default_drafter, load_target, parse_dtype
+    from .lookup import LookupParams
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise DFlashError(f"--device {args.device} but this torch build sees no CUDA device; use --device cpu.")
@@ -36,7 +42,8 @@ def load_models(args):
         drafter, trained = load_default_drafter(target, tok)
     else:  # a custom target: the bundled drafter is SmolLM2's, so only --block-size 1 works without --drafter
         drafter, trained = None, False
-    return DFlashEngine(target, drafter, tokenizer=tok), tok, trained
+    lookup = LookupParams(max_tokens=args.lookup or 0, skip_drafter_n=args.lookup_skip)
+    return DFlashEngine(target, drafter, tokenizer=tok, lookup=lookup), tok, trained
 
 
 def cmd_generate(args) -> int:
@@ -137,7 +144,9 @@ def cmd_bench(args) -> int:
                       temperature=temps[0], temperatures=temps[1:], batch_sizes=args.batch_size or [],
                       methods=methods, out=args.out,
                       target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
-                      speed_bench_dir=args.speed_bench_dir, noise_prompts=args.noise_prompts, command="dflashkit " + " ".join(sys.argv[1:]))
+                      speed_bench_dir=args.speed_bench_dir, noise_prompts=args.noise_prompts,
+                      lookup=8 if args.lookup is None else args.lookup, lookup_skip=args.lookup_skip,
+                      lookup_block_sizes=args.lookup_block_size or [], command="dflashkit " + " ".join(sys.argv[1:]))
     report = write_report(run_bench(cfg), args.out)
     print(markdown(report))
     return 0
@@ -238,7 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="AR outputs on which the near-tie bound of mismatches_vs_ar is measured (block vs one-token rounding)")
     b.add_argument("--batch-size", type=int, action="append", default=None,
                    help="repeatable: throughput sweep of ar/dflash with N prompts decoded together (first turns)")
-    b.add_argument("--methods", action="append", default=None, help="comma list: ar,dflash,hf,hf-lookup")
+    b.add_argument("--methods", action="append", default=None,
+                   help="comma list: ar,dflash,dflash-lookup,lookup,hf,hf-lookup,llamacpp,zlab,vllm,vllm-dflash")
+    b.add_argument("--lookup-block-size", type=int, action="append", default=None,
+                   help="repeatable: DFlash block sizes of the dflash-lookup method (default: --block-size)")
     b.add_argument("--out", default="bench/results/latest")
     b.add_argument("--speed-bench-dir", default=None)
     _add_model_flags(b)

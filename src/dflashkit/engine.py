@@ -7,6 +7,8 @@ One cycle per step, for every active sequence at once (dflash-spec §2-3):
   3. commit: the longest agreeing prefix plus the bonus token (`verify.py`); each row advances by its
              own count. The only host sync per step is reading those choices and counts.
 `block_size == 1` skips the drafter: the same loop is then plain autoregressive decoding (the baseline).
+With n-gram lookup on (`lookup.py`), step 2 verifies a draft TREE instead (`tree.py`): the DFlash chain plus
+a branch copied from earlier in the sequence, in the same single target pass.
 
 `DFlashEngine.stream` is THE generator; `generate`, the CLI, the benchmark and the server consume it.
 """
@@ -25,7 +27,9 @@ from .drafter import DFlashDrafter
 from .errors import DFlashError
 from .sampling import Sampler, SamplingParams
 from .stats import GenerationStats
+from .lookup import LookupParams, propose
 from .target import Target
+from .tree import accept, build, verify_mask
 from .verify import accepted_lengths
 
 log = logging.getLogger(__name__)
@@ -67,9 +71,10 @@ class _Seq:
     t_first: float = 0.0
 
 
-def cache_positions(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
-    """Cache slots a sequence can touch: its prompt, its new tokens, and one block drafted past the last one."""
-    return prompt_len + max_new_tokens + block_size + 1
+def cache_positions(prompt_len: int, max_new_tokens: int, width: int) -> int:
+    """Cache slots a sequence can touch: its prompt, its new tokens, and one verify pass (`width` slots:
+    the block, or the whole draft tree) past the last one."""
+    return prompt_len + max_new_tokens + width + 1
 
 
 def check_compatible(drafter: DFlashDrafter, target: Target) -> None:
@@ -88,8 +93,10 @@ def check_compatible(drafter: DFlashDrafter, target: Target) -> None:
 
 class DFlashEngine:
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, tokenizer=None,
-                 block_size: int | None = None, eos_token_ids: Sequence[int] | None = None):
+                 block_size: int | None = None, eos_token_ids: Sequence[int] | None = None,
+                 lookup: LookupParams | None = None):
         self.target = target
+        self.lookup = lookup or LookupParams()
         self.drafter = drafter
         self.tokenizer = tokenizer
         if drafter is not None:
@@ -107,6 +114,14 @@ class DFlashEngine:
             eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
             eos_token_ids = [] if eos is None else [eos]
         self.eos_token_ids = set(eos_token_ids)
+
+    def verify_width(self, block_size: int) -> int:
+        """Tokens one verify pass holds: the block, plus the lookup branch when lookup is on."""
+        return block_size + self.lookup.max_tokens
+
+    def depth_span(self, block_size: int) -> int:
+        """1 + the deepest draft position: the block size, or the lookup length + 1 if that is longer."""
+        return max(block_size, self.lookup.max_tokens + 1)
 
     def _check_block_size(self, b) -> int:
         if not isinstance(b, int) or b < 1:
@@ -137,7 +152,8 @@ class DFlashEngine:
                 raise DFlashError(f"prompt {i}: {e}") from None
 
         seqs = [self.sequence(i, p, params[i], max_new[i], stop, Q) for i, p in enumerate(prompts)]
-        batch = DecodeBatch(self, Q, max(cache_positions(len(p), m, Q) for p, m in zip(prompts, max_new)))
+        W = self.verify_width(Q)
+        batch = DecodeBatch(self, Q, max(cache_positions(len(p), m, W) for p, m in zip(prompts, max_new)))
         yield batch.add(seqs)
         while batch.alive:
             yield batch.step()
@@ -148,7 +164,7 @@ class DFlashEngine:
         stop = [x for x in (stop or []) if x]
         self.validate(prompt, max_new_tokens, stop)
         Q = block_size if block_size is not None else self.block_size
-        return _Seq(index, list(prompt), max_new_tokens, GenerationStats(block_size=Q, prompt_tokens=len(prompt)),
+        return _Seq(index, list(prompt), max_new_tokens, GenerationStats(block_size=self.depth_span(Q), prompt_tokens=len(prompt)),
                     sampling, stop, t_arrival=time.perf_counter())
 
     def validate(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[str] | None = None) -> None:
@@ -176,8 +192,7 @@ class DFlashEngine:
         their committed tokens, is unused here; test oracles that replace this method read it.)
         """
         dr, c = self.drafter, self.drafter.config
-        for layer, (k, v) in enumerate(dr.context_kv(dr.fuse(feats), feat_pos)):
-            dcache.write(layer, k, v, feat_pos)
+        self._ingest(dcache, feats, feat_pos)
         b, Q = blk_pos.shape
         # Why mask_token_id: slots 1..B-1 are embedded as the mask token the drafter was trained with;
         # a different id does not crash, it just drafts garbage.
@@ -194,6 +209,12 @@ class DFlashEngine:
         # slot 0 (the anchor itself) is discarded.
         drafts = self.target.logits(h[:, 1:], self._draft_head).argmax(-1)
         return self._d2t[drafts] if self._d2t is not None else drafts
+
+    def _ingest(self, dcache, feats, feat_pos) -> None:
+        """Write the context K/V of features [b, R, k*H] at positions feat_pos [b, R] into the draft cache."""
+        dr = self.drafter
+        for layer, (k, v) in enumerate(dr.context_kv(dr.fuse(feats), feat_pos)):
+            dcache.write(layer, k, v, feat_pos)
 
     def _commit(self, s: _Seq, tokens: list[int]) -> StepOutput:
         """Append tokens to `s`, cutting at EOS, max_new_tokens, or a stop string (also mid-block)."""
@@ -262,6 +283,11 @@ class DecodeBatch:
     def __init__(self, engine: DFlashEngine, block_size: int, max_len: int):
         self.engine, self.Q, self.max_len = engine, block_size, max_len
         self.use_draft = block_size > 1
+        self.use_tree = engine.lookup.enabled
+        self.width = engine.verify_width(block_size)
+        # Pending context features are kept at one width for all rows (rows join and leave): a block, or
+        # the deepest path a draft tree can accept.
+        self.pend_width = engine.depth_span(block_size) if self.use_tree else block_size
         self.seqs: list[_Seq] = []
         self.starts: list[int] = []  # host copy of `start`
         self.tcache = self.dcache = self.sampler = None
@@ -282,10 +308,10 @@ class DecodeBatch:
     def add(self, seqs: list[_Seq]) -> list[StepOutput]:
         """Prefill new sequences and join them to the batch; returns their first tokens."""
         eng, tgt = self.engine, self.engine.target
-        dev, n, Q = tgt.device, len(seqs), self.Q
+        dev, n = tgt.device, len(seqs)
         lens = [len(s.prompt) for s in seqs]
         P = max(lens)
-        if any(cache_positions(l, s.max_new_tokens, Q) > self.max_len for l, s in zip(lens, seqs)):
+        if any(cache_positions(l, s.max_new_tokens, self.width) > self.max_len for l, s in zip(lens, seqs)):
             raise DFlashError(f"a request needs more than the batch's {self.max_len} cache positions; "
                               "shorten the prompt or lower max_new_tokens.")
         tcache = tgt.new_cache(n, self.max_len)
@@ -301,15 +327,16 @@ class DecodeBatch:
         dcache = pend_feats = pend_pos = None
         if self.use_draft:
             # The prompt's features go into the new rows' draft cache right away. What stays "pending" for
-            # the next draft call is a harmless rewrite: the last prompt feature at its own position, Q times,
-            # so that pending rows have the same width (Q) for every sequence in the batch.
+            # the next draft call is a harmless rewrite: the last prompt feature at its own position, repeated
+            # so that pending rows have the same width for every sequence in the batch.
             dcache = eng._draft_cache(n, self.max_len)
             dr = eng.drafter
             for layer, (k, v) in enumerate(dr.context_kv(dr.fuse(feats), pos)):
                 dcache.write(layer, k, v, pos)
             rows = torch.arange(n, device=dev)
-            pend_feats = feats[rows, last][:, None].expand(n, Q, feats.shape[-1]).contiguous()
-            pend_pos = last[:, None].expand(n, Q).contiguous()
+            R = self.pend_width
+            pend_feats = feats[rows, last][:, None].expand(n, R, feats.shape[-1]).contiguous()
+            pend_pos = last[:, None].expand(n, R).contiguous()
         self._join(seqs, tcache, dcache, sampler, last + 1, first, pend_feats, pend_pos, lens)
         host_first = first.tolist()
         now = time.perf_counter()
@@ -361,6 +388,8 @@ class DecodeBatch:
             return []
         b, dev = len(self.seqs), tgt.device
         live = torch.tensor([not s.finished for s in self.seqs], device=dev) if n_alive < b else None
+        if self.use_tree:
+            return self._tree_step(live)
         blk_pos = self.start[:, None] + self._arange_q  # [b, Q] positions of the block
         if self.use_draft:
             drafts = eng._draft(self.dcache, self.pend_feats, self.pend_pos, self.anchor, blk_pos, self.start,
@@ -388,5 +417,68 @@ class DecodeBatch:
             self.starts[i] += a + 1
             s.stats.accepted.append(a)
             out.append(eng._commit(s, row[: a + 1]))
+            s.stats.decode_s = now - s.t_first
+        return out
+
+    def _tree_step(self, live: torch.Tensor | None) -> list[StepOutput]:
+        """One cycle with a draft tree: DFlash chain + lookup branch, verified in one pass (`tree.py`)."""
+        eng, tgt, lk = self.engine, self.engine.target, self.engine.lookup
+        b, dev = len(self.seqs), tgt.device
+        # 1. lookup proposals, on the host where the committed tokens are (finished rows get none).
+        props = [propose(s.prompt + s.generated, lk) if not s.finished else ([], 0) for s in self.seqs]
+        k = lk.max_tokens
+        branch = torch.zeros((b, k), dtype=torch.long)
+        for i, (p, _) in enumerate(props):
+            branch[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        branch_len = torch.tensor([len(p) for p, _ in props], device=dev)
+        branch = branch.to(dev)
+        # 2. the DFlash chain, unless every live row has a long lookup match (then skip the drafter's forward;
+        #    its context features are still ingested, or the draft cache would miss these positions).
+        chain = None
+        if self.use_draft:
+            strong = lk.skip_drafter_n and all(n >= lk.skip_drafter_n for (_, n), s in zip(props, self.seqs)
+                                               if not s.finished)
+            if strong:
+                eng._ingest(self.dcache, self.pend_feats, self.pend_pos)
+            else:
+                blk_pos = self.start[:, None] + self._arange_q
+                chain = eng._draft(self.dcache, self.pend_feats, self.pend_pos, self.anchor, blk_pos, self.start,
+                                   max(self.starts), self.seqs)
+        tree = build(self.anchor, chain, branch, branch_len)
+        # 3. verify: node i sits in slot start + i at position start + depth(i) (RoPE), sees its ancestors.
+        W = tree.width
+        kv_len = max(self.starts) + W
+        slots = self.start[:, None] + torch.arange(W, device=dev)
+        hidden, feats = tgt.forward(tree.tokens, self.start[:, None] + tree.depth, self.tcache, kv_len=kv_len,
+                                    taps=self.use_draft, slots=slots, visible=verify_mask(tree, self.start, kv_len))
+        choices = self.sampler(tgt.logits(hidden))  # [b, W] the target's token after each node
+        a, path = accept(tree, choices)  # path: [b, D+1] node per depth (repeats the end past a)
+        path = torch.cat([path, path[:, -1:].expand(b, self.pend_width - path.shape[1])], dim=1)
+        committed = choices.gather(1, path)  # [b, R]; the first a+1 are this step's tokens
+        host = torch.cat([committed, a[:, None], path], dim=1).tolist()  # the one host sync
+        R = self.pend_width
+        depth = torch.arange(R, device=dev)
+        # 4. bring the accepted path to slot == position (a branch node's K/V sits m slots further right).
+        if any(row[R + 1 + d] != d for row in host for d in range(row[R] + 1)):
+            keep = depth[None] <= a[:, None]
+            src = self.start[:, None] + torch.where(keep, path, depth[None])
+            self.tcache.move(src, self.start[:, None] + depth[None])
+        if self.use_draft:
+            # The drafter's context for the next step: the features of the accepted path, at its positions
+            # (entries past a sit at positions >= the new start: invisible until rewritten).
+            self.pend_feats = feats.gather(1, path[:, :, None].expand(b, R, feats.shape[-1]))
+            self.pend_pos = self.start[:, None] + depth[None]
+        self.anchor = committed.gather(1, a[:, None])[:, 0]
+        step = a + 1
+        self.start = self.start + (step if live is None else step * live)
+        now = time.perf_counter()
+        out = []
+        for i, (s, row) in enumerate(zip(self.seqs, host)):
+            if s.finished:
+                continue
+            a_i = int(row[R])
+            self.starts[i] += a_i + 1
+            s.stats.accepted.append(a_i)
+            out.append(eng._commit(s, row[: a_i + 1]))
             s.stats.decode_s = now - s.t_first
         return out

@@ -134,9 +134,10 @@ class Scheduler:
         if self._draining:
             raise OverloadError("the server is shutting down")
         seq = self.engine.sequence(next(self._ids), prompt_ids, sampling, max_new_tokens, stop, self.block_size)
-        if cache_positions(len(prompt_ids), max_new_tokens, self.block_size) > self.max_len:
+        width = self.engine.verify_width(self.block_size)
+        if cache_positions(len(prompt_ids), max_new_tokens, width) > self.max_len:
             raise DFlashError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_new_tokens}) exceeds the "
-                              f"server's context of {self.max_len - self.block_size - 1} tokens; shorten the prompt "
+                              f"server's context of {self.max_len - width - 1} tokens; shorten the prompt "
                               "or lower max_tokens.")
         loop = asyncio.get_running_loop()
         job = _Job(seq, loop, asyncio.Queue())
@@ -195,7 +196,7 @@ class Scheduler:
                 self._emit(job, o)
         for idx, job in list(self.jobs.items()):
             if job.seq.finished:
-                self.metrics.observe(job.seq.stats, time.perf_counter() - job.seq.t_arrival, self.block_size)
+                self.metrics.observe(job.seq.stats, time.perf_counter() - job.seq.t_arrival, job.seq.stats.block_size)
                 self._emit(job, None)
                 del self.jobs[idx]
 

@@ -137,22 +137,33 @@ class Target:
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: PositionCache, kv_len: int | None = None,
-                taps: bool = True):
+                taps: bool = True, slots: torch.Tensor | None = None, visible: torch.Tensor | None = None):
         """ids, positions: [B, Q]. Writes K/V of these tokens into `cache` at `positions`.
 
-        kv_len: 1 + the largest position (pass it when the caller knows it, to avoid a host sync).
+        kv_len: 1 + the largest slot written (pass it when the caller knows it, to avoid a host sync).
+        Draft trees (`tree.py`) put two nodes at one position, so they pass `slots` [B, Q] (where each
+        token's K/V goes; default: its position) and `visible` [B, 1, Q, kv_len] bool (which slots each
+        token attends to; default: slots <= its position). RoPE always uses `positions`.
 
         Returns hidden [B, Q, H] (final-normed; apply `logits`) and, if `taps`, the concatenated tapped
         layer outputs [B, Q, k*H] in `tap_ids` order (None otherwise).
         """
-        kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
+        slots = positions if slots is None else slots
+        kv_len = int(slots.max()) + 1 if kv_len is None else kv_len
         if kv_len > cache.max_len:
             raise DFlashError(f"position {kv_len - 1} exceeds the cache ({cache.max_len}); allocate a longer cache.")
-        cache._write_pos, cache._kv_len = positions, kv_len
-        full = self._mask(positions, kv_len, None)
-        mask = full
-        if self._sliding:
-            mask = {"full_attention": full, "sliding_attention": self._mask(positions, kv_len, self.sliding_window)}
+        cache._write_pos, cache._kv_len = slots, kv_len
+        if visible is None:
+            full = self._mask(positions, kv_len, None)
+            window = self._mask(positions, kv_len, self.sliding_window) if self._sliding else None
+        else:
+            full = visible
+            if self._sliding:
+                # The window counts positions, not slots: a tree slot holds a token of another position.
+                slot_pos = torch.arange(kv_len, device=slots.device).expand(slots.shape[0], kv_len).clone()
+                slot_pos.scatter_(1, slots, positions)
+                window = visible & (slot_pos[:, None, None, :] > positions[:, None, :, None] - self.sliding_window)
+        mask = {"full_attention": full, "sliding_attention": window} if self._sliding else full
         self._capture, self._taps = taps, {}
         try:
             out = self.decoder(input_ids=ids, attention_mask=mask, position_ids=positions,

@@ -1,0 +1,64 @@
+"""N-gram lookup: a second, free source of draft tokens taken from the sequence itself.
+
+Small models repeat themselves and copy their prompt (code signatures, docstrings, lists), and the
+drafter does not always see it. The lookup finds the most recent earlier occurrence of the longest
+suffix of the committed tokens (up to `max_n` tokens long, at least `min_n`) and proposes the tokens
+that followed it ("prompt lookup decoding"). It runs on the host, where the committed tokens live.
+
+The proposal is verified in the same target pass as the DFlash block, as a second branch of the draft
+tree (`tree.py`), so the output stays exactly the target's own: a proposal only decides how many target
+choices one pass can commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import DFlashError
+
+
+@dataclass(frozen=True)
+class LookupParams:
+    """max_tokens: longest proposal (0 = lookup off). max_n/min_n: suffix lengths tried, longest first.
+    skip_drafter_n: when every live sequence's match is at least this long, the step verifies the lookup
+    branch alone and skips the drafter's forward (0 = always draft)."""
+
+    max_tokens: int = 0
+    max_n: int = 4
+    min_n: int = 1
+    skip_drafter_n: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise DFlashError(f"lookup length must be an integer >= 0 (got {self.max_tokens}); 0 turns lookup off.")
+        if not 1 <= self.min_n <= self.max_n:
+            raise DFlashError(f"lookup n-gram sizes need 1 <= min_n <= max_n (got min_n={self.min_n}, max_n={self.max_n}).")
+        if self.skip_drafter_n < 0:
+            raise DFlashError(f"skip_drafter_n must be >= 0 (got {self.skip_drafter_n}); 0 means always draft.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_tokens > 0
+
+
+def propose(tokens: list[int] | np.ndarray, params: LookupParams) -> tuple[list[int], int]:
+    """tokens: the committed sequence (prompt + generated; its last token is the anchor).
+
+    Returns (proposal for the positions after the anchor, length n of the matched suffix); ([], 0) if
+    no suffix of length >= min_n occurs earlier."""
+    ids = np.asarray(tokens)
+    t = len(ids) - 1
+    if t < 1 or params.max_tokens == 0:
+        return [], 0
+    # Candidate match ends: earlier positions holding the anchor token, most recent first.
+    ends = np.flatnonzero(ids[:-1] == ids[-1])[::-1]
+    if ends.size == 0:
+        return [], 0
+    for n in range(min(params.max_n, t), params.min_n - 1, -1):
+        suffix = ids[t - n + 1:]
+        for e in ends:
+            if e - n + 1 >= 0 and np.array_equal(ids[e - n + 1:e + 1], suffix):
+                return ids[e + 1:e + 1 + params.max_tokens].tolist(), n
+    return [], 0

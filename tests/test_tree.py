@@ -1,0 +1,184 @@
+"""Draft trees (DFlash chain + n-gram lookup branch): tree bookkeeping, lookup proposals, and lossless decoding."""
+
+import random
+import types
+
+import pytest
+import torch
+
+from conftest import make_drafter, make_target
+from dflashkit import DFlashEngine, DFlashError
+from dflashkit import engine as engine_mod
+from dflashkit.lookup import LookupParams, propose
+from dflashkit.tree import accept, ancestors, build, verify_mask
+from test_engine import PROMPTS, reference_runs, stream_batch, with_oracle
+
+
+def t(rows):
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def test_build_merges_a_shared_prefix_and_kills_duplicates():
+    # row 0: branch parts from the chain after 2 shared tokens; row 1: no shared prefix; row 2: branch of 1 token
+    chain = t([[10, 11, 12], [10, 11, 12], [10, 11, 12]])
+    branch = t([[10, 11, 20, 21], [30, 31, 32, 33], [40, 0, 0, 0]])
+    tree = build(t([1, 1, 1]), chain, branch, t([4, 4, 1]))
+    assert tree.width == 8 and tree.max_depth == 4
+    assert tree.parent.tolist()[0] == [0, 0, 1, 2, 3, 4, 2, 6]  # l3 hangs off chain node 2, l4 off l3
+    assert tree.alive.tolist()[0] == [True] * 4 + [False, False, True, True]
+    assert tree.parent.tolist()[1] == [0, 0, 1, 2, 0, 4, 5, 6]
+    assert tree.alive.tolist()[2] == [True] * 4 + [True, False, False, False]
+    assert tree.depth.tolist()[0] == [0, 1, 2, 3, 1, 2, 3, 4]
+    anc = ancestors(tree)[0]
+    assert anc[7].nonzero()[:, 0].tolist() == [0, 1, 2, 6, 7]  # l4: anchor, d1, d2, l3, itself
+    assert anc[3].nonzero()[:, 0].tolist() == [0, 1, 2, 3]
+
+
+def test_accept_follows_the_target_choices_down_either_branch():
+    chain = t([[10, 11, 12], [10, 11, 12], [10, 11, 12]])
+    branch = t([[10, 11, 20, 21], [30, 31, 32, 33], [30, 31, 32, 33]])
+    tree = build(t([1, 1, 1]), chain, branch, t([4, 4, 4]))
+    # choices[i] = the target's token after node i; 99 = disagrees with everything
+    choices = t([
+        [10, 11, 20, 99, 99, 99, 21, 7],   # d1, d2 (shared), then the branch: l3, l4, bonus 7
+        [30, 99, 99, 99, 31, 32, 5, 99],   # the branch from the root: l1..l3, bonus 5
+        [10, 11, 12, 8, 99, 99, 99, 99],   # the whole chain, bonus 8
+    ])
+    a, path = accept(tree, choices)
+    assert a.tolist() == [4, 3, 3]
+    assert path.tolist()[0] == [0, 1, 2, 6, 7]
+    assert path.tolist()[1] == [0, 4, 5, 6, 6]
+    committed = choices.gather(1, path)
+    assert committed[0].tolist() == [10, 11, 20, 21, 7]
+    assert committed[1, :4].tolist() == [30, 31, 32, 5]
+    assert committed[2, :4].tolist() == [10, 11, 12, 8]
+
+
+def test_dead_nodes_are_never_accepted():
+    # the branch duplicates the chain entirely, and row 1's branch is padding only
+    tree = build(t([1, 1]), t([[10, 11], [10, 11]]), t([[10, 11], [0, 0]]), t([2, 0]))
+    choices = t([[10, 11, 6, 10, 11], [0, 99, 99, 0, 0]])
+    a, path = accept(tree, choices)
+    assert a.tolist() == [2, 0]
+    assert path.tolist()[0] == [0, 1, 2]
+
+
+def test_verify_mask_shows_committed_slots_and_ancestors_only():
+    tree = build(t([1]), t([[10, 11]]), t([[20, 21]]), t([2]))
+    m = verify_mask(tree, t([3]), kv_len=9)[0, 0].int()
+    # slots 0-2 committed; tree nodes at slots 3.. (anchor, d1, d2, l1, l2); slot 8 is stale
+    assert m.tolist() == [[1, 1, 1, 1, 0, 0, 0, 0, 0],
+                          [1, 1, 1, 1, 1, 0, 0, 0, 0],
+                          [1, 1, 1, 1, 1, 1, 0, 0, 0],
+                          [1, 1, 1, 1, 0, 0, 1, 0, 0],
+                          [1, 1, 1, 1, 0, 0, 1, 1, 0]]
+
+
+def test_lookup_proposes_what_followed_the_longest_recent_match():
+    p = LookupParams(max_tokens=3, max_n=3)
+    assert propose([5, 6, 7, 8, 9, 1, 6, 7], p) == ([8, 9, 1], 2)  # suffix [6, 7] seen before
+    assert propose([1, 2, 3, 1, 2, 4, 2], p) == ([4, 2], 1)  # the most recent match of [2] wins
+    assert propose([1, 2, 3, 1, 2, 3, 9, 1, 2, 3], p) == ([9, 1, 2], 3)  # longest suffix first
+    assert propose([1, 2, 3], p) == ([], 0)
+    assert propose([4], p) == ([], 0)
+    assert propose([1, 2, 3, 1, 2, 3], LookupParams(max_tokens=3, max_n=3, min_n=3)) == ([1, 2, 3], 3)
+
+
+def test_bad_lookup_settings_raise_clear_errors():
+    for kw in ({"max_tokens": -1}, {"max_tokens": 4, "min_n": 0}, {"max_tokens": 4, "min_n": 3, "max_n": 2},
+               {"max_tokens": 4, "skip_drafter_n": -1}):
+        with pytest.raises(DFlashError):
+            LookupParams(**kw)
+
+
+def with_lookup_oracle(monkeypatch, reference, keep=0.7, seed=0):
+    """Lookup proposals: often the true continuation (so the branch wins), sometimes random; the real
+    `propose` still runs so that its n (the skip rule) is real."""
+    rng = random.Random(seed)
+
+    def fake(tokens, params):
+        prop, n = propose(tokens, params)
+        for idx, full in reference.items():
+            if full[: len(tokens)] == list(tokens):
+                tail = full[len(tokens): len(tokens) + params.max_tokens]
+                break
+        else:
+            return prop, n
+        out = []
+        for x in tail:
+            out.append(x if rng.random() < keep else rng.randrange(4, 90))
+        return out, max(n, 1)
+
+    monkeypatch.setattr(engine_mod, "propose", fake)
+
+
+@pytest.mark.parametrize("block_size,lookup,skip", [(1, 5, 0), (4, 6, 0), (8, 3, 0), (4, 6, 2)])
+@pytest.mark.parametrize("oracle", [False, True])
+def test_greedy_lossless_with_a_lookup_branch(arch, block_size, lookup, skip, oracle, monkeypatch):
+    t_ = make_target(arch)
+    dr = make_drafter(t_, block_size=max(block_size, 2))
+    plain = DFlashEngine(t_, dr, eos_token_ids=[])
+    ar, ref = reference_runs(plain, PROMPTS, 40)
+    eng = DFlashEngine(t_, dr, eos_token_ids=[], lookup=LookupParams(max_tokens=lookup, skip_drafter_n=skip))
+    if oracle:
+        with_lookup_oracle(monkeypatch, ref)
+        if block_size > 1:
+            with_oracle(eng, ref, keep=0.5, seed=1)
+    batch = eng.generate(PROMPTS, max_new_tokens=40, block_size=block_size)
+    assert [g.tokens for g in batch] == [g.tokens for g in ar]
+    single = eng.generate(PROMPTS[2:3], max_new_tokens=40, block_size=block_size)
+    assert single[0].tokens == ar[2].tokens
+    if oracle:
+        assert max(max(g.stats.accepted) for g in batch) >= min(lookup, 3)
+        assert sum(g.stats.tau for g in batch) / len(batch) > 1.5
+
+
+def test_tree_steps_keep_both_caches_exact(arch, monkeypatch):
+    """After every tree step the target K/V of slots [0, start) equal a fresh forward of the committed tokens
+    (an accepted branch was moved to slot == position), and at every draft call so do the drafter's."""
+    t_ = make_target(arch)
+    dr = make_drafter(t_, block_size=4)
+    eng = DFlashEngine(t_, dr, eos_token_ids=[], lookup=LookupParams(max_tokens=5))
+    ar, ref = reference_runs(eng, PROMPTS, 24)
+    with_lookup_oracle(monkeypatch, ref, keep=0.8)
+    with_oracle(eng, ref, keep=0.4, seed=2)
+
+    def fresh(tokens):
+        c = t_.new_cache(1, len(tokens) + 1)
+        pos = torch.arange(len(tokens))[None]
+        _, feats = t_.forward(torch.tensor([tokens]), pos, c)
+        return c, dr.context_kv(dr.fuse(feats), pos)
+
+    oracle = eng._draft
+    checked = {"draft": 0, "target": 0}
+
+    def draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs):
+        d = oracle(dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs)
+        for r, (s, st) in enumerate(zip(seqs, start.tolist())):
+            if s.finished:
+                continue
+            _, kv = fresh((s.prompt + s.generated)[:st])
+            for layer, (k, v) in enumerate(kv):
+                torch.testing.assert_close(dcache.keys[layer][r, :, :st], k[0], rtol=1e-9, atol=1e-9)
+            checked["draft"] += 1
+        return d
+
+    eng._draft = types.MethodType(draft, eng)
+    gen = eng.stream(PROMPTS, max_new_tokens=24)
+    long_steps = 0
+    for out in gen:
+        long_steps += sum(len(o.tokens) > 4 for o in out)  # more than the chain (3 drafts + bonus) can give
+        batch = stream_batch(gen)
+        if batch is None:
+            break
+        for r, (s, st) in enumerate(zip(batch.seqs, batch.starts)):
+            if s.finished:
+                continue
+            committed = s.prompt + s.generated
+            assert st == len(committed) - 1
+            c, _ = fresh(committed[:st])
+            for layer in range(t_.num_layers):
+                torch.testing.assert_close(batch.tcache.keys[layer][r, :, :st], c.keys[layer][0, :, :st], rtol=1e-9, atol=1e-9)
+                torch.testing.assert_close(batch.tcache.values[layer][r, :, :st], c.values[layer][0, :, :st], rtol=1e-9, atol=1e-9)
+            checked["target"] += 1
+    assert checked["draft"] > 10 and checked["target"] > 10 and long_steps > 0
