@@ -218,3 +218,34 @@ def test_cli_serve_runs_the_engine_on_its_main_thread_and_drains_on_sigterm(tmp_
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_lookup_branch_under_continuous_batching():
+    """A server whose engine verifies draft trees (block 4 + a 6-token lookup branch): clients that arrive while
+    others are mid-generation (rows join and leave the running batch) still get exactly their text alone."""
+    from dflashkit import DFlashEngine
+    from dflashkit.loader import encode_chat, load_default_drafter, load_target
+    from dflashkit.lookup import LookupParams
+    from dflashkit.server import build_app, serve_in_thread
+
+    target, tok = load_target(dtype="float32")
+    drafter, _ = load_default_drafter(target, tok)
+    engine = DFlashEngine(target, drafter, tokenizer=tok, block_size=4, lookup=LookupParams(max_tokens=6, skip_drafter_n=2))
+    app = build_app(engine, tok, "t", block_size=4, max_batch=4, max_queue=16, max_len=1024)
+    srv, th, url = serve_in_thread(app)
+    try:
+        def ask(i):
+            time.sleep(0.3 * i)  # staggered: later requests join a batch that is already decoding
+            status, body = post({"url": url}, json.dumps({"messages": [{"role": "user", "content": PROMPTS[i]}],
+                                                          "max_tokens": 40, "temperature": 0}))
+            assert status == 200, body
+            return body
+        with ThreadPoolExecutor(6) as ex:
+            got = list(ex.map(ask, range(6)))
+    finally:
+        srv.should_exit = True
+        th.join(30)
+    for i, body in enumerate(got):
+        alone_text = engine.generate([encode_chat(tok, PROMPTS[i])], max_new_tokens=40)[0].text
+        assert body["choices"][0]["message"]["content"] == alone_text, PROMPTS[i]
+        assert len(body["dflash"]["acceptance"]) == 6  # draft positions reach the lookup branch's depth

@@ -17,9 +17,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help="Z Lab-format drafter directory (default: the bundled drafter)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--lookup", type=int, default=None,
-                   help="also verify an n-gram lookup branch of up to N tokens copied from earlier in the sequence "
-                        "(0 = off; default: off, 8 for the bench's lookup methods)")
+    p.add_argument("--lookup", type=int, default=8,
+                   help="also verify an n-gram lookup branch of up to N tokens copied from earlier in the sequence, "
+                        "beside the DFlash block (a draft tree; output stays exact). 0 = off. bench: the lookup length "
+                        "of its dflash-lookup and lookup methods (its ar and dflash rows never use lookup)")
     p.add_argument("--lookup-skip", type=int, default=2,
                    help="skip the drafter's forward when the lookup matched a suffix of at least this many tokens (0 = never)")
 
@@ -42,7 +43,7 @@ def load_models(args):
         drafter, trained = load_default_drafter(target, tok)
     else:  # a custom target: the bundled drafter is SmolLM2's, so only --block-size 1 works without --drafter
         drafter, trained = None, False
-    lookup = LookupParams(max_tokens=args.lookup or 0, skip_drafter_n=args.lookup_skip)
+    lookup = LookupParams(max_tokens=args.lookup, skip_drafter_n=args.lookup_skip)
     return DFlashEngine(target, drafter, tokenizer=tok, lookup=lookup), tok, trained
 
 
@@ -55,19 +56,23 @@ def cmd_generate(args) -> int:
         raise DFlashError(f"--block-size must be >= 1 (got {args.block_size}); 1 means plain autoregressive decoding.")
     engine, tok, trained = load_models(args)
     ids = encode_chat(tok, args.prompt)
+    from .lookup import LookupParams
+
     runs = {}
-    block_sizes = [args.block_size if args.block_size is not None else engine.block_size]
-    if args.compare and block_sizes[0] != 1:
-        block_sizes.append(1)
-    for b in block_sizes:
-        g = engine.generate([ids], sampling=params, max_new_tokens=args.max_new_tokens, stop=args.stop, block_size=b)[0]
-        runs[b] = g
-    g = runs[block_sizes[0]]
+    main = args.block_size if args.block_size is not None else engine.block_size
+    plan = [(main, None)]  # (block size, lookup override); the comparison is plain AR: block 1, no lookup
+    if args.compare and (main != 1 or engine.lookup.enabled):
+        plan.append((1, LookupParams()))
+    for b, lookup in plan:
+        runs[b if lookup is None else "ar"] = engine.generate([ids], sampling=params, max_new_tokens=args.max_new_tokens,
+                                                              stop=args.stop, block_size=b, lookup=lookup)[0]
+    g = runs[main]
     stats = g.stats.to_dict()
     stats["finish_reason"] = g.finish_reason
+    stats["lookup"] = engine.lookup.max_tokens
     stats["drafter_trained"] = trained
-    if 1 in runs and len(runs) > 1:
-        ar = runs[1]
+    if "ar" in runs:
+        ar = runs["ar"]
         stats["ar_tokens_per_s"] = round(ar.stats.tokens_per_s, 3)
         stats["speedup_vs_ar"] = round(g.stats.tokens_per_s / ar.stats.tokens_per_s, 3) if ar.stats.tokens_per_s else None
         stats["identical_to_ar"] = ar.tokens == g.tokens
@@ -79,14 +84,15 @@ def cmd_generate(args) -> int:
         return 0
     print(g.text)
     print()
-    if not trained and block_sizes[0] > 1:
+    if not trained and main > 1:
         print("[note] the drafter is UNTRAINED (initialised from a fixed seed): output is exact, acceptance is near zero.")
-    print(f"[stats] block size {stats['block_size']}, {stats['new_tokens']} tokens, tau {stats['tau']:.2f} tokens/pass, "
+    print(f"[stats] block size {main}, lookup branch {stats['lookup'] or 'off'}, {stats['new_tokens']} tokens, "
+          f"tau {stats['tau']:.2f} tokens/pass, "
           f"{stats['tokens_per_s']:.1f} tok/s, TTFT {stats['ttft_ms']:.0f} ms")
     print(f"[stats] cumulative acceptance per position: {[round(x, 2) for x in stats['acceptance']]}")
-    print(f"[stats] accepted-length histogram (1..{stats['block_size']}): {stats['accepted_length_histogram']}")
+    print(f"[stats] accepted-length histogram (1..{stats['block_size']} tokens per pass): {stats['accepted_length_histogram']}")
     if "ar_tokens_per_s" in stats:
-        print(f"[stats] autoregressive (block size 1, same engine): {stats['ar_tokens_per_s']:.1f} tok/s -> "
+        print(f"[stats] autoregressive (block size 1, no lookup, same engine): {stats['ar_tokens_per_s']:.1f} tok/s -> "
               f"speedup {stats['speedup_vs_ar']}x; identical output: {stats['identical_to_ar']}")
         d = stats.get("first_difference")
         if d:
@@ -145,7 +151,7 @@ def cmd_bench(args) -> int:
                       methods=methods, out=args.out,
                       target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
                       speed_bench_dir=args.speed_bench_dir, noise_prompts=args.noise_prompts,
-                      lookup=8 if args.lookup is None else args.lookup, lookup_skip=args.lookup_skip,
+                      lookup=args.lookup, lookup_skip=args.lookup_skip,
                       lookup_block_sizes=args.lookup_block_size or [], command="dflashkit " + " ".join(sys.argv[1:]))
     report = write_report(run_bench(cfg), args.out)
     print(markdown(report))
@@ -174,7 +180,8 @@ def cmd_serve(args) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    log.info("serving %s (block size %d, drafter %s) on %s", name, block, "trained" if trained else "UNTRAINED", url)
+    log.info("serving %s (block size %d, lookup %d, drafter %s) on %s", name, block, engine.lookup.max_tokens,
+             "trained" if trained else "UNTRAINED", url)
     app.state.scheduler.run()
     th.join(60)
     return 0

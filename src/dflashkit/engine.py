@@ -115,13 +115,13 @@ class DFlashEngine:
             eos_token_ids = [] if eos is None else [eos]
         self.eos_token_ids = set(eos_token_ids)
 
-    def verify_width(self, block_size: int) -> int:
+    def verify_width(self, block_size: int, lookup: LookupParams | None = None) -> int:
         """Tokens one verify pass holds: the block, plus the lookup branch when lookup is on."""
-        return block_size + self.lookup.max_tokens
+        return block_size + (lookup or self.lookup).max_tokens
 
-    def depth_span(self, block_size: int) -> int:
+    def depth_span(self, block_size: int, lookup: LookupParams | None = None) -> int:
         """1 + the deepest draft position: the block size, or the lookup length + 1 if that is longer."""
-        return max(block_size, self.lookup.max_tokens + 1)
+        return max(block_size, (lookup or self.lookup).max_tokens + 1)
 
     def _check_block_size(self, b) -> int:
         if not isinstance(b, int) or b < 1:
@@ -134,8 +134,11 @@ class DFlashEngine:
     @torch.inference_mode()
     def stream(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                max_new_tokens: int | Sequence[int] = 256, stop: Sequence[str] | None = None,
-               block_size: int | None = None) -> Iterator[list[StepOutput]]:
-        """Decode a batch of token-id prompts; yields, per step, the new tokens of each sequence that got some."""
+               block_size: int | None = None, lookup: LookupParams | None = None) -> Iterator[list[StepOutput]]:
+        """Decode a batch of token-id prompts; yields, per step, the new tokens of each sequence that got some.
+
+        lookup: overrides the engine's lookup setting for this call (`LookupParams()` = off)."""
+        lookup = lookup or self.lookup
         Q = self._check_block_size(block_size if block_size is not None else self.block_size)
         n = len(prompts)
         if n == 0:
@@ -151,20 +154,21 @@ class DFlashEngine:
             except DFlashError as e:
                 raise DFlashError(f"prompt {i}: {e}") from None
 
-        seqs = [self.sequence(i, p, params[i], max_new[i], stop, Q) for i, p in enumerate(prompts)]
-        W = self.verify_width(Q)
-        batch = DecodeBatch(self, Q, max(cache_positions(len(p), m, W) for p, m in zip(prompts, max_new)))
+        seqs = [self.sequence(i, p, params[i], max_new[i], stop, Q, lookup) for i, p in enumerate(prompts)]
+        W = self.verify_width(Q, lookup)
+        batch = DecodeBatch(self, Q, max(cache_positions(len(p), m, W) for p, m in zip(prompts, max_new)), lookup)
         yield batch.add(seqs)
         while batch.alive:
             yield batch.step()
 
     def sequence(self, index: int, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(),
-                 max_new_tokens: int = 256, stop: Sequence[str] | None = None, block_size: int | None = None) -> _Seq:
+                 max_new_tokens: int = 256, stop: Sequence[str] | None = None, block_size: int | None = None,
+                 lookup: LookupParams | None = None) -> _Seq:
         """A validated sequence ready to join a `DecodeBatch` (the server's entry point)."""
         stop = [x for x in (stop or []) if x]
         self.validate(prompt, max_new_tokens, stop)
         Q = block_size if block_size is not None else self.block_size
-        return _Seq(index, list(prompt), max_new_tokens, GenerationStats(block_size=self.depth_span(Q), prompt_tokens=len(prompt)),
+        return _Seq(index, list(prompt), max_new_tokens, GenerationStats(block_size=self.depth_span(Q, lookup), prompt_tokens=len(prompt)),
                     sampling, stop, t_arrival=time.perf_counter())
 
     def validate(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[str] | None = None) -> None:
@@ -280,14 +284,15 @@ class DecodeBatch:
     through it; the server keeps one open and lets requests come and go (continuous batching).
     """
 
-    def __init__(self, engine: DFlashEngine, block_size: int, max_len: int):
+    def __init__(self, engine: DFlashEngine, block_size: int, max_len: int, lookup: LookupParams | None = None):
         self.engine, self.Q, self.max_len = engine, block_size, max_len
+        self.lookup = lookup or engine.lookup
         self.use_draft = block_size > 1
-        self.use_tree = engine.lookup.enabled
-        self.width = engine.verify_width(block_size)
+        self.use_tree = self.lookup.enabled
+        self.width = engine.verify_width(block_size, self.lookup)
         # Pending context features are kept at one width for all rows (rows join and leave): a block, or
         # the deepest path a draft tree can accept.
-        self.pend_width = engine.depth_span(block_size) if self.use_tree else block_size
+        self.pend_width = engine.depth_span(block_size, self.lookup) if self.use_tree else block_size
         self.seqs: list[_Seq] = []
         self.starts: list[int] = []  # host copy of `start`
         self.tcache = self.dcache = self.sampler = None
@@ -422,7 +427,7 @@ class DecodeBatch:
 
     def _tree_step(self, live: torch.Tensor | None) -> list[StepOutput]:
         """One cycle with a draft tree: DFlash chain + lookup branch, verified in one pass (`tree.py`)."""
-        eng, tgt, lk = self.engine, self.engine.target, self.engine.lookup
+        eng, tgt, lk = self.engine, self.engine.target, self.lookup
         b, dev = len(self.seqs), tgt.device
         # 1. lookup proposals, on the host where the committed tokens are (finished rows get none).
         props = [propose(s.prompt + s.generated, lk) if not s.finished else ([], 0) for s in self.seqs]
