@@ -1,4 +1,4 @@
-"""Chain verification of a drafted block. Terms, defined once:
+"""Chain verification of a drafted block (`tree.py` generalises it to a draft tree). Terms, defined once:
 
 - block: `[anchor, d_1 .. d_{B-1}]` at positions `start .. start+B-1`; the anchor is the last committed
   token (no target K/V yet); d_i are the drafter's argmax proposals.
