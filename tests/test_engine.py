@@ -116,6 +116,14 @@ def test_caches_hold_exactly_the_committed_context(arch):
     ar, ref = reference_runs(eng, PROMPTS, 20)
     with_oracle(eng, ref, keep=0.7)
 
+    checked, _ = check_caches_while_decoding(eng, t, dr, PROMPTS, 20)
+    assert checked["draft"] > 10 and checked["target"] > 10
+
+
+def check_caches_while_decoding(eng, t, dr, prompts, max_new):
+    """Decode `prompts` with `eng` (whose `_draft` may already be an oracle), checking after every step that target
+    K/V slots [0, start) equal a fresh forward of the committed tokens, and at every draft call that draft cache
+    slots [0, start) equal the drafter's K/V of fresh features. Returns (counts of checks, each step's outputs)."""
     def fresh(tokens):
         c = t.new_cache(1, len(tokens) + 1)
         pos = torch.arange(len(tokens))[None]
@@ -138,8 +146,10 @@ def test_caches_hold_exactly_the_committed_context(arch):
         return d
 
     eng._draft = types.MethodType(draft, eng)
-    gen = eng.stream(PROMPTS, max_new_tokens=20)
-    for _ in gen:
+    gen = eng.stream(prompts, max_new_tokens=max_new)
+    steps = []
+    for out in gen:
+        steps.append(out)
         batch = stream_batch(gen)
         if batch is None:
             break
@@ -152,8 +162,9 @@ def test_caches_hold_exactly_the_committed_context(arch):
             c, _ = fresh(committed[:st])
             for layer in range(t.num_layers):
                 torch.testing.assert_close(tcache.keys[layer][r, :, :st], c.keys[layer][0, :, :st], rtol=1e-9, atol=1e-9)
+                torch.testing.assert_close(tcache.values[layer][r, :, :st], c.values[layer][0, :, :st], rtol=1e-9, atol=1e-9)
             checked["target"] += 1
-    assert checked["draft"] > 10 and checked["target"] > 10
+    return checked, steps
 
 
 def stream_batch(gen):

@@ -49,6 +49,7 @@ def load_models(args):
 
 def cmd_generate(args) -> int:
     from .loader import encode_chat
+    from .lookup import LookupParams
     from .sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -56,23 +57,17 @@ def cmd_generate(args) -> int:
         raise DFlashError(f"--block-size must be >= 1 (got {args.block_size}); 1 means plain autoregressive decoding.")
     engine, tok, trained = load_models(args)
     ids = encode_chat(tok, args.prompt)
-    from .lookup import LookupParams
-
-    runs = {}
     main = args.block_size if args.block_size is not None else engine.block_size
-    plan = [(main, None)]  # (block size, lookup override); the comparison is plain AR: block 1, no lookup
-    if args.compare and (main != 1 or engine.lookup.enabled):
-        plan.append((1, LookupParams()))
-    for b, lookup in plan:
-        runs[b if lookup is None else "ar"] = engine.generate([ids], sampling=params, max_new_tokens=args.max_new_tokens,
-                                                              stop=args.stop, block_size=b, lookup=lookup)[0]
-    g = runs[main]
+    kw = dict(sampling=params, max_new_tokens=args.max_new_tokens, stop=args.stop)
+    g = engine.generate([ids], block_size=main, **kw)[0]
+    # The comparison is plain AR: block size 1 and no lookup branch.
+    ar = (engine.generate([ids], block_size=1, lookup=LookupParams(), **kw)[0]
+          if args.compare and (main != 1 or engine.lookup.enabled) else None)
     stats = g.stats.to_dict()
     stats["finish_reason"] = g.finish_reason
     stats["lookup"] = engine.lookup.max_tokens
     stats["drafter_trained"] = trained
-    if "ar" in runs:
-        ar = runs["ar"]
+    if ar is not None:
         stats["ar_tokens_per_s"] = round(ar.stats.tokens_per_s, 3)
         stats["speedup_vs_ar"] = round(g.stats.tokens_per_s / ar.stats.tokens_per_s, 3) if ar.stats.tokens_per_s else None
         stats["identical_to_ar"] = ar.tokens == g.tokens
