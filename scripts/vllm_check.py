@@ -42,11 +42,11 @@ class TracingEngine(DFlashEngine):
         super().__init__(*a, **kw)
         self.trace: list = []
 
-    def _draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs):
-        drafts = super()._draft(dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs)
-        for a, d in zip(anchor.tolist(), drafts.tolist()):
+    def _draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs, k=1):
+        drafts, logp = super()._draft(dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs, k)
+        for a, d in zip(anchor.tolist(), drafts[..., 0].tolist()):
             self.trace.append([int(a), [int(x) for x in d]])
-        return drafts
+        return drafts, logp
 
 
 def vllm_k_norm_fix(py: str) -> bool:

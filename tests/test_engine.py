@@ -19,17 +19,24 @@ def with_oracle(engine, reference, keep=0.75, seed=0):
     rng = random.Random(seed)
     real = engine._draft
 
-    def draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs):
-        d = real(dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs)
+    def draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs, k=1):
+        d, logp = real(dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs, k)
         for r, (s, st) in enumerate(zip(seqs, start.tolist())):
             full = reference[s.index]
             for j in range(1, d.shape[1] + 1):
                 if st + j < len(full) and rng.random() < keep:
-                    d[r, j - 1] = full[st + j]
-        return d
+                    # the truth at rank 0 (k = 1) or at one of the top 3 ranks (a tree must find it off the argmax)
+                    put_at_rank(d[r, j - 1], full[st + j], rng.randrange(min(k, 3)))
+        return d, logp
 
     engine._draft = types.MethodType(draft, engine)
     return engine
+
+
+def put_at_rank(row: torch.Tensor, tok: int, rank: int) -> None:
+    """row: [k] distinct tokens, best first. Put `tok` at `rank`, keeping the others distinct and in order."""
+    rest = [x for x in row.tolist() if x != tok]
+    row.copy_(torch.tensor((rest[:rank] + [tok] + rest[rank:])[: row.numel()]))
 
 
 def reference_runs(engine, prompts, n):
@@ -133,8 +140,8 @@ def check_caches_while_decoding(eng, t, dr, prompts, max_new):
     oracle = eng._draft
     checked = {"draft": 0, "target": 0}
 
-    def draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs):
-        d = oracle(dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs)
+    def draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs, k=1):
+        d = oracle(dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs, k)
         for r, (s, st) in enumerate(zip(seqs, start.tolist())):
             committed = s.prompt + s.generated
             assert st == len(committed) - 1  # the anchor (last token) has no K/V yet

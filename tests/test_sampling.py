@@ -55,19 +55,22 @@ def exact_marginals(t: Target, params: SamplingParams):
 
 def greedy_oracle(engine, t: Target):
     """Drafts = the target's argmax chain from the committed text: often accepted when the target is peaked,
-    rejected otherwise, so every acceptance length occurs."""
+    rejected otherwise, so every acceptance length occurs. Asked for k tokens per slot (a drafter tree), it
+    gives the target's k best at each slot of that chain, with their log-probs: the tree then branches where a
+    sample often leaves the argmax."""
 
-    def draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs):
-        drafts = torch.zeros((len(seqs), blk_pos.shape[1] - 1), dtype=torch.long)
+    def draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs, k=1):
+        drafts = torch.zeros((len(seqs), blk_pos.shape[1] - 1, k), dtype=torch.long)
+        logp = torch.zeros(drafts.shape)
         texts = [s.prompt + s.generated for s in seqs]
         for n in set(map(len, texts)):  # rows are ragged: one batch per committed length
             rows = [i for i, x in enumerate(texts) if len(x) == n]
             ctx = torch.tensor([texts[i] for i in rows])
             for j in range(drafts.shape[1]):
-                nxt = t.model(input_ids=ctx).logits[:, -1].argmax(-1, keepdim=True)
-                drafts[rows, j] = nxt[:, 0]
-                ctx = torch.cat([ctx, nxt], dim=1)
-        return drafts
+                lp, top = t.model(input_ids=ctx).logits[:, -1].float().log_softmax(-1).topk(k, dim=-1)
+                drafts[rows, j], logp[rows, j] = top, lp
+                ctx = torch.cat([ctx, top[:, :1]], dim=1)
+        return drafts, logp
 
     engine._draft = types.MethodType(draft, engine)
 
@@ -164,3 +167,12 @@ def test_speculative_sampling_with_a_lookup_branch_matches_target_distribution(m
     greedy_oracle(eng, t)
     monkeypatch.setattr(engine_mod, "propose", lookup_oracle(t, 3))
     assert_sampling_matches_target(eng, t, SamplingParams(temperature=1.0), seed=4321)
+
+
+def test_speculative_sampling_with_a_drafter_tree_matches_target_distribution():
+    """A tree of the target's 2nd/3rd choices beside its argmax chain: a sample that leaves the argmax is often
+    still accepted, down a side branch."""
+    t = small_target()
+    eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3), eos_token_ids=[], tree=6)
+    greedy_oracle(eng, t)
+    assert_sampling_matches_target(eng, t, SamplingParams(temperature=1.0), seed=2468)

@@ -1,5 +1,6 @@
 """Draft trees (DFlash chain + n-gram lookup branch): tree bookkeeping, lookup proposals, and lossless decoding."""
 
+import math
 import random
 
 import pytest
@@ -9,7 +10,7 @@ from conftest import make_drafter, make_target
 from dflashkit import DFlashEngine, DFlashError
 from dflashkit import engine as engine_mod
 from dflashkit.lookup import LookupParams, propose
-from dflashkit.tree import accept, ancestors, build, verify_mask
+from dflashkit.tree import DraftNodes, accept, ancestors, build, chain_nodes, topk_tree, verify_mask
 from test_engine import PROMPTS, check_caches_while_decoding, reference_runs, with_oracle
 
 
@@ -21,7 +22,7 @@ def test_build_merges_a_shared_prefix_and_kills_duplicates():
     # row 0: branch parts from the chain after 2 shared tokens; row 1: no shared prefix; row 2: branch of 1 token
     chain = t([[10, 11, 12], [10, 11, 12], [10, 11, 12]])
     branch = t([[10, 11, 20, 21], [30, 31, 32, 33], [40, 0, 0, 0]])
-    tree = build(t([1, 1, 1]), chain, branch, t([4, 4, 1]))
+    tree = build(t([1, 1, 1]), chain_nodes(chain), branch, t([4, 4, 1]))
     assert tree.width == 8 and tree.max_depth == 4
     assert tree.parent.tolist()[0] == [0, 0, 1, 2, 3, 4, 2, 6]  # l3 hangs off chain node 2, l4 off l3
     assert tree.alive.tolist()[0] == [True] * 4 + [False, False, True, True]
@@ -36,7 +37,7 @@ def test_build_merges_a_shared_prefix_and_kills_duplicates():
 def test_accept_follows_the_target_choices_down_either_branch():
     chain = t([[10, 11, 12], [10, 11, 12], [10, 11, 12]])
     branch = t([[10, 11, 20, 21], [30, 31, 32, 33], [30, 31, 32, 33]])
-    tree = build(t([1, 1, 1]), chain, branch, t([4, 4, 4]))
+    tree = build(t([1, 1, 1]), chain_nodes(chain), branch, t([4, 4, 4]))
     # choices[i] = the target's token after node i; 99 = disagrees with everything
     choices = t([
         [10, 11, 20, 99, 99, 99, 21, 7],   # d1, d2 (shared), then the branch: l3, l4, bonus 7
@@ -55,7 +56,7 @@ def test_accept_follows_the_target_choices_down_either_branch():
 
 def test_dead_nodes_are_never_accepted():
     # the branch duplicates the chain entirely, and row 1's branch is padding only
-    tree = build(t([1, 1]), t([[10, 11], [10, 11]]), t([[10, 11], [0, 0]]), t([2, 0]))
+    tree = build(t([1, 1]), chain_nodes(t([[10, 11], [10, 11]])), t([[10, 11], [0, 0]]), t([2, 0]))
     choices = t([[10, 11, 6, 10, 11], [0, 99, 99, 0, 0]])
     a, path = accept(tree, choices)
     assert a.tolist() == [2, 0]
@@ -63,7 +64,7 @@ def test_dead_nodes_are_never_accepted():
 
 
 def test_verify_mask_shows_committed_slots_and_ancestors_only():
-    tree = build(t([1]), t([[10, 11]]), t([[20, 21]]), t([2]))
+    tree = build(t([1]), chain_nodes(t([[10, 11]])), t([[20, 21]]), t([2]))
     m = verify_mask(tree, t([3]), kv_len=9)[0, 0].int()
     # slots 0-2 committed; tree nodes at slots 3.. (anchor, d1, d2, l1, l2); slot 8 is stale
     assert m.tolist() == [[1, 1, 1, 1, 0, 0, 0, 0, 0],
@@ -145,3 +146,131 @@ def test_tree_steps_keep_both_caches_exact(arch, monkeypatch):
     # steps that committed more than the chain (3 drafts + bonus) can give: an accepted branch was moved
     long_steps = sum(len(o.tokens) > 4 for out in steps for o in out)
     assert checked["draft"] > 10 and checked["target"] > 10 and long_steps > 0
+
+
+# ---- drafter trees: the n most likely paths through the drafter's top-k per slot ---------------------------
+def brute_force_best_paths(tokens, logp, n):
+    """All rank paths of every depth, scored by summed log-probs; the n best (ties to the shallower)."""
+    D, K = tokens.shape
+    paths, frontier = [], [((), 0.0)]
+    for j in range(D):
+        frontier = [(p + (r,), s + float(logp[j, r])) for p, s in frontier for r in range(K)]
+        paths += frontier
+    paths.sort(key=lambda x: (-x[1], len(x[0])))
+    return {tuple(int(tokens[j, r]) for j, r in enumerate(p)) for p, _ in paths[:n]}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_topk_tree_is_the_n_most_likely_paths(seed):
+    g = torch.Generator().manual_seed(seed)
+    b, D, K = 3, 4, 5
+    logp, idx = torch.randn(b, D, 40, generator=g).mul(2).log_softmax(-1).topk(K, dim=-1)
+    tokens = idx + 100
+    for n in (1, 3, K):
+        nodes = topk_tree(tokens, logp, n)
+        tok, par, dep = nodes.tokens, nodes.parent, nodes.depth
+        assert tok.shape == (b, n) and int(dep.max()) <= nodes.max_depth
+        for r in range(b):
+            paths = set()
+            for i in range(n):  # rebuild each node's path through its parents (node 0 = the anchor)
+                path, node = [], i + 1
+                while node:
+                    assert par[r, node - 1] < node  # parents come before children
+                    path.append(int(tok[r, node - 1]))
+                    node = int(par[r, node - 1])
+                assert len(path) == dep[r, i]
+                paths.add(tuple(reversed(path)))
+            assert paths == brute_force_best_paths(tokens[r], logp[r], n)
+            kids = {}
+            for i in range(n):
+                kids.setdefault(int(par[r, i]), []).append(int(tok[r, i]))
+            assert all(len(v) == len(set(v)) for v in kids.values())  # siblings are distinct
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_pruned_tree_keeps_the_likely_paths_and_pads_the_rest(seed):
+    g = torch.Generator().manual_seed(seed)
+    b, D, K, n, p_min = 4, 4, 5, 5, 0.05
+    logp, idx = torch.randn(b, D, 40, generator=g).mul(3).log_softmax(-1).topk(K, dim=-1)
+    nodes = topk_tree(idx + 100, logp, n, min_prob=p_min)
+    kept = nodes.alive.sum(1)
+    assert nodes.tokens.shape[1] == int(kept.max()) <= n
+    for r in range(b):
+        paths = set()
+        for i in range(int(kept[r])):
+            assert nodes.alive[r, : i + 1].all()  # kept nodes first, then padding
+            path, node = [], i + 1
+            while node:
+                assert nodes.alive[r, node - 1] and nodes.parent[r, node - 1] < node
+                path.append(int(nodes.tokens[r, node - 1]))
+                node = int(nodes.parent[r, node - 1])
+            paths.add(tuple(reversed(path)))
+        D_, K_ = idx[r].shape
+        best = []  # brute force: the n best paths, then those of probability >= p_min
+        frontier = [((), 0.0)]
+        for j in range(D_):
+            frontier = [(q + (int(idx[r, j, x]) + 100,), sc + float(logp[r, j, x])) for q, sc in frontier for x in range(K_)]
+            best += frontier
+        best.sort(key=lambda x: (-x[1], len(x[0])))
+        assert paths == {q for q, sc in best[:n] if sc >= math.log(p_min)}
+
+
+def test_a_lookup_branch_never_hangs_off_a_dead_node():
+    # node 2 is padding (dead) but carries the branch's first token: the branch must start at the anchor
+    draft = DraftNodes(t([[10, 11]]), t([[0, 0]]), t([[1, 1]]), 1, alive=torch.tensor([[True, False]]))
+    tree = build(t([1]), draft, t([[11, 12]]), t([2]))
+    assert tree.parent.tolist()[0] == [0, 0, 0, 0, 3] and tree.alive.tolist()[0] == [True, True, False, True, True]
+    a, path = accept(tree, t([[11, 99, 99, 12, 5]]))
+    assert a.tolist() == [2] and path.tolist()[0] == [0, 3, 4]
+
+
+def test_a_lookup_branch_merges_into_a_drafter_tree_path():
+    # drafter nodes: 1:[10] 2:[11] (siblings at depth 1), 3:[12] under 1, 4:[13] under 3, 5:[14] under 2
+    draft = DraftNodes(t([[10, 11, 12, 13, 14]]), t([[0, 0, 1, 3, 2]]), t([[1, 1, 2, 3, 2]]), 3)
+    tree = build(t([1]), draft, t([[11, 14, 20]]), t([3]))  # l1, l2 = path 2 -> 5; l3 parts from it
+    assert tree.parent.tolist()[0] == [0, 0, 0, 1, 3, 2, 5, 6, 5]
+    assert tree.alive.tolist()[0] == [True] * 6 + [False, False, True]
+    assert tree.depth.tolist()[0] == [0, 1, 1, 2, 3, 2, 1, 2, 3]
+    choices = t([[11, 99, 14, 99, 99, 20, 99, 99, 7]])  # down node 2, node 5, then the branch's l3, bonus 7
+    a, path = accept(tree, choices)
+    assert a.tolist() == [3] and path.tolist()[0] == [0, 2, 5, 8]  # max depth 3: no repeats
+
+
+@pytest.mark.parametrize("block_size,n,lookup,p_min", [(4, 6, 0, 0), (8, 5, 4, 0), (16, 12, 0, 0), (4, 3, 5, 0),
+                                                      (8, 10, 4, 0.02)])
+@pytest.mark.parametrize("oracle", [False, True])
+def test_greedy_lossless_with_a_drafter_tree(arch, block_size, n, lookup, p_min, oracle, monkeypatch):
+    t_ = make_target(arch)
+    dr = make_drafter(t_, block_size=block_size)
+    plain = DFlashEngine(t_, dr, eos_token_ids=[])
+    ar, ref = reference_runs(plain, PROMPTS, 40)
+    eng = DFlashEngine(t_, dr, eos_token_ids=[], lookup=LookupParams(max_tokens=lookup), tree=n, tree_min_prob=p_min)
+    if oracle:
+        with_oracle(eng, ref, keep=0.8, seed=3)
+        if lookup:
+            with_lookup_oracle(monkeypatch, ref, keep=0.5)
+    batch = eng.generate(PROMPTS, max_new_tokens=40)
+    assert [g.tokens for g in batch] == [g.tokens for g in ar]
+    assert eng.generate(PROMPTS[1:2], max_new_tokens=40)[0].tokens == ar[1].tokens
+    if oracle:  # truths off the argmax were found: more than the chain of argmaxes could commit
+        assert sum(g.stats.tau for g in batch) / len(batch) > 1.8
+
+
+def test_drafter_tree_steps_keep_both_caches_exact(arch):
+    t_ = make_target(arch)
+    dr = make_drafter(t_, block_size=8)
+    eng = DFlashEngine(t_, dr, eos_token_ids=[], tree=8)
+    ar, ref = reference_runs(eng, PROMPTS, 24)
+    with_oracle(eng, ref, keep=0.8, seed=4)
+    checked, steps = check_caches_while_decoding(eng, t_, dr, PROMPTS, 24)
+    assert checked["draft"] > 10 and checked["target"] > 10
+
+
+def test_bad_tree_size_raises_a_clear_error():
+    t_ = make_target("llama")
+    for bad in (-1, 2.5, True):
+        with pytest.raises(DFlashError, match="tree size"):
+            DFlashEngine(t_, make_drafter(t_), tree=bad)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(DFlashError, match="tree_min_prob"):
+            DFlashEngine(t_, make_drafter(t_), tree=4, tree_min_prob=bad)

@@ -417,7 +417,10 @@ class BenchConfig:
     device: str = "cpu"
     speed_bench_dir: str | None = None
     noise_prompts: int = 8  # AR outputs (first turns) on which the near-tie bound is measured (`rounding_noise`)
-    # methods `dflash-lookup` (DFlash block + n-gram lookup branch, `tree.py`) and `lookup` (lookup alone):
+    # methods `dflash-lookup` (DFlash block + n-gram lookup branch, `tree.py`), `dflash-tree` (a drafter tree
+    # without lookup) and `lookup` (lookup alone):
+    tree: int = 0  # drafter tree nodes of dflash-lookup and dflash-tree (0 = the chain)
+    tree_min_prob: float = 0.0  # ... minus the paths the drafter gives less than this probability
     lookup: int = 8  # longest lookup proposal
     lookup_skip: int = 2  # skip the drafter when the lookup matched a suffix this long (0 = always draft)
     lookup_block_sizes: list[int] = field(default_factory=list)  # DFlash block sizes with lookup (default: block_sizes)
@@ -450,13 +453,19 @@ def run_bench(cfg: BenchConfig) -> dict:
         elif m == "dflash":
             for b in cfg.block_sizes:
                 methods[f"dflash-b{b}"] = EngineMethod(engine, b, sampling, f"dflash-b{b}")
-        elif m == "dflash-lookup" and drafter is None:
+        elif m in ("dflash-lookup", "dflash-tree") and drafter is None:
             skipped[m] = "no drafter for this target: pass --drafter DIR"
-        elif m in ("dflash-lookup", "lookup"):
-            lk = DFlashEngine(target, drafter, tokenizer=tok,
-                              lookup=LookupParams(max_tokens=k, skip_drafter_n=cfg.lookup_skip if m != "lookup" else 0))
-            for b in (cfg.lookup_block_sizes or cfg.block_sizes) if m == "dflash-lookup" else [1]:
-                name = f"dflash-b{b}-lookup{k}" if b > 1 else f"lookup{k}"
+        elif m in ("dflash-lookup", "dflash-tree", "lookup"):
+            if m == "dflash-tree" and cfg.tree < 1:
+                raise DFlashError("method dflash-tree needs --tree N (drafter tree nodes, N >= 1).")
+            kk = 0 if m == "dflash-tree" else k
+            lk = DFlashEngine(target, drafter, tokenizer=tok, tree=cfg.tree if m != "lookup" else 0,
+                              tree_min_prob=cfg.tree_min_prob if m != "lookup" else 0.0,
+                              lookup=LookupParams(max_tokens=kk, skip_drafter_n=cfg.lookup_skip if m != "lookup" else 0))
+            for b in (cfg.lookup_block_sizes or cfg.block_sizes) if m != "lookup" else [1]:
+                tree = f"-tree{cfg.tree}" + (f"p{cfg.tree_min_prob:g}" if cfg.tree_min_prob else "") if cfg.tree else ""
+                name = (f"dflash-b{b}{tree}" + (f"-lookup{kk}" if kk else "")
+                        if b > 1 else f"lookup{k}")
                 methods[name] = EngineMethod(lk, b, sampling, name)
         elif m == "hf":
             methods["hf"] = HFMethod(target, sampling, "hf", eos=tok.eos_token_id)
@@ -508,7 +517,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                     methods[f"vllm-dflash-b{b}"] = VLLMMethod(py, tdir, cfg.drafter or str(BUNDLED_DRAFTER), cfg.dtype,
                                                               b, f"vllm-dflash-b{b}", torch.get_num_threads())
         else:
-            raise DFlashError(f"unknown method {m!r}; choose from ar, dflash, dflash-lookup, lookup, hf, hf-lookup, llamacpp, "
+            raise DFlashError(f"unknown method {m!r}; choose from ar, dflash, dflash-lookup, dflash-tree, lookup, hf, hf-lookup, llamacpp, "
                               "zlab, vllm, vllm-dflash.")
     for m, why in skipped.items():
         log.warning("skipping %s: %s", m, why)

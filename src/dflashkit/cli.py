@@ -21,6 +21,13 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="also verify an n-gram lookup branch of up to N tokens copied from earlier in the sequence, "
                         "beside the DFlash block (a draft tree; output stays exact). 0 = off. bench: the lookup length "
                         "of its dflash-lookup and lookup methods (its ar and dflash rows never use lookup)")
+    p.add_argument("--tree", type=int, default=0,
+                   help="draft a TREE: the drafter's N most likely paths through its top tokens per block slot, "
+                        "verified in one pass (output stays exact); 0 = the plain chain of argmaxes. bench: the tree "
+                        "of its dflash-lookup and dflash-tree methods")
+    p.add_argument("--tree-min-prob", type=float, default=0.0,
+                   help="with --tree: also drop the paths the drafter gives less than this probability (the verify "
+                        "pass then holds only the likely nodes; 0 = keep all N)")
     p.add_argument("--lookup-skip", type=int, default=2,
                    help="skip the drafter's forward when the lookup matched a suffix of at least this many tokens (0 = never)")
 
@@ -44,7 +51,8 @@ def load_models(args):
     else:  # a custom target: the bundled drafter is SmolLM2's, so only --block-size 1 works without --drafter
         drafter, trained = None, False
     lookup = LookupParams(max_tokens=args.lookup, skip_drafter_n=args.lookup_skip)
-    return DFlashEngine(target, drafter, tokenizer=tok, lookup=lookup), tok, trained
+    return (DFlashEngine(target, drafter, tokenizer=tok, lookup=lookup, tree=args.tree, tree_min_prob=args.tree_min_prob),
+            tok, trained)
 
 
 def cmd_generate(args) -> int:
@@ -66,6 +74,7 @@ def cmd_generate(args) -> int:
     stats = g.stats.to_dict()
     stats["finish_reason"] = g.finish_reason
     stats["lookup"] = engine.lookup.max_tokens
+    stats["tree"] = engine.tree
     stats["drafter_trained"] = trained
     if ar is not None:
         stats["ar_tokens_per_s"] = round(ar.stats.tokens_per_s, 3)
@@ -81,7 +90,8 @@ def cmd_generate(args) -> int:
     print()
     if not trained and main > 1:
         print("[note] the drafter is UNTRAINED (initialised from a fixed seed): output is exact, acceptance is near zero.")
-    print(f"[stats] block size {main}, lookup branch {stats['lookup'] or 'off'}, {stats['new_tokens']} tokens, "
+    print(f"[stats] block size {main}, drafter tree {stats['tree'] or 'off'}, lookup branch {stats['lookup'] or 'off'}, "
+          f"{stats['new_tokens']} tokens, "
           f"tau {stats['tau']:.2f} tokens/pass, "
           f"{stats['tokens_per_s']:.1f} tok/s, TTFT {stats['ttft_ms']:.0f} ms")
     print(f"[stats] cumulative acceptance per position: {[round(x, 2) for x in stats['acceptance']]}")
@@ -146,7 +156,7 @@ def cmd_bench(args) -> int:
                       methods=methods, out=args.out,
                       target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
                       speed_bench_dir=args.speed_bench_dir, noise_prompts=args.noise_prompts,
-                      lookup=args.lookup, lookup_skip=args.lookup_skip,
+                      lookup=args.lookup, lookup_skip=args.lookup_skip, tree=args.tree, tree_min_prob=args.tree_min_prob,
                       lookup_block_sizes=args.lookup_block_size or [], command="dflashkit " + " ".join(sys.argv[1:]))
     report = write_report(run_bench(cfg), args.out)
     print(markdown(report))
@@ -250,9 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=int, action="append", default=None,
                    help="repeatable: throughput sweep of ar/dflash with N prompts decoded together (first turns)")
     b.add_argument("--methods", action="append", default=None,
-                   help="comma list: ar,dflash,dflash-lookup,lookup,hf,hf-lookup,llamacpp,zlab,vllm,vllm-dflash")
+                   help="comma list: ar,dflash,dflash-lookup,dflash-tree,lookup,hf,hf-lookup,llamacpp,zlab,vllm,vllm-dflash")
     b.add_argument("--lookup-block-size", type=int, action="append", default=None,
-                   help="repeatable: DFlash block sizes of the dflash-lookup method (default: --block-size)")
+                   help="repeatable: DFlash block sizes of the dflash-lookup and dflash-tree methods (default: --block-size)")
     b.add_argument("--out", default="bench/results/latest")
     b.add_argument("--speed-bench-dir", default=None)
     _add_model_flags(b)

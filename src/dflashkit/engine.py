@@ -7,8 +7,9 @@ One cycle per step, for every active sequence at once (dflash-spec §2-3):
   3. commit: the longest agreeing prefix plus the bonus token (`verify.py`); each row advances by its
              own count. The only host sync per step is reading those choices and counts.
 `block_size == 1` skips the drafter: the same loop is then plain autoregressive decoding (the baseline).
-With n-gram lookup on (`lookup.py`), step 2 verifies a draft TREE instead (`tree.py`): the DFlash chain plus
-a branch copied from earlier in the sequence, in the same single target pass.
+With a drafter tree (`tree > 0`: the drafter's `tree` most likely paths through its top-k tokens per slot)
+or n-gram lookup on (`lookup.py`: a branch copied from earlier in the sequence), step 2 verifies a draft TREE
+instead (`tree.py`), still in one target pass.
 
 `DFlashEngine.stream` is THE generator; `generate`, the CLI, the benchmark and the server consume it.
 """
@@ -29,7 +30,7 @@ from .sampling import Sampler, SamplingParams
 from .stats import GenerationStats
 from .lookup import LookupParams, propose
 from .target import Target
-from .tree import accept, build, verify_mask
+from .tree import accept, build, chain_nodes, topk_tree, verify_mask
 from .verify import accepted_lengths
 
 log = logging.getLogger(__name__)
@@ -94,9 +95,13 @@ def check_compatible(drafter: DFlashDrafter, target: Target) -> None:
 class DFlashEngine:
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, tokenizer=None,
                  block_size: int | None = None, eos_token_ids: Sequence[int] | None = None,
-                 lookup: LookupParams | None = None):
+                 lookup: LookupParams | None = None, tree: int = 0, tree_min_prob: float = 0.0):
         self.target = target
         self.lookup = lookup or LookupParams()
+        self.tree = self._check_tree(tree)
+        if not 0.0 <= tree_min_prob < 1.0:
+            raise DFlashError(f"tree_min_prob must be in [0, 1) (got {tree_min_prob}); 0 keeps all `tree` nodes.")
+        self.tree_min_prob = float(tree_min_prob)
         self.drafter = drafter
         self.tokenizer = tokenizer
         if drafter is not None:
@@ -115,13 +120,26 @@ class DFlashEngine:
             eos_token_ids = [] if eos is None else [eos]
         self.eos_token_ids = set(eos_token_ids)
 
-    def verify_width(self, block_size: int, lookup: LookupParams | None = None) -> int:
-        """Tokens one verify pass holds: the block, plus the lookup branch when lookup is on."""
-        return block_size + (lookup or self.lookup).max_tokens
+    def _drafted(self, block_size: int, tree: int | None) -> tuple[int, int]:
+        """(drafter nodes per step, their deepest depth): the chain's B-1, or a tree's n nodes within B-1 slots."""
+        tree = self.tree if tree is None else tree
+        if block_size == 1:
+            return 0, 0
+        return (tree, min(tree, block_size - 1)) if tree else (block_size - 1, block_size - 1)
 
-    def depth_span(self, block_size: int, lookup: LookupParams | None = None) -> int:
-        """1 + the deepest draft position: the block size, or the lookup length + 1 if that is longer."""
-        return max(block_size, (lookup or self.lookup).max_tokens + 1)
+    def verify_width(self, block_size: int, lookup: LookupParams | None = None, tree: int | None = None) -> int:
+        """Tokens one verify pass holds: the anchor, the drafter's nodes, and the lookup branch when lookup is on."""
+        return 1 + self._drafted(block_size, tree)[0] + (lookup or self.lookup).max_tokens
+
+    def depth_span(self, block_size: int, lookup: LookupParams | None = None, tree: int | None = None) -> int:
+        """1 + the deepest draft position (the most tokens one step can commit)."""
+        return 1 + max(self._drafted(block_size, tree)[1], (lookup or self.lookup).max_tokens)
+
+    @staticmethod
+    def _check_tree(n) -> int:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise DFlashError(f"tree size must be an integer >= 0 (got {n!r}); 0 drafts the plain chain.")
+        return n
 
     def _check_block_size(self, b) -> int:
         if not isinstance(b, int) or b < 1:
@@ -134,11 +152,14 @@ class DFlashEngine:
     @torch.inference_mode()
     def stream(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                max_new_tokens: int | Sequence[int] = 256, stop: Sequence[str] | None = None,
-               block_size: int | None = None, lookup: LookupParams | None = None) -> Iterator[list[StepOutput]]:
+               block_size: int | None = None, lookup: LookupParams | None = None,
+               tree: int | None = None) -> Iterator[list[StepOutput]]:
         """Decode a batch of token-id prompts; yields, per step, the new tokens of each sequence that got some.
 
-        lookup: overrides the engine's lookup setting for this call (`LookupParams()` = off)."""
+        lookup, tree: override the engine's lookup setting (`LookupParams()` = off) and drafter tree size
+        (0 = the chain) for this call."""
         lookup = lookup or self.lookup
+        tree = self.tree if tree is None else self._check_tree(tree)
         Q = self._check_block_size(block_size if block_size is not None else self.block_size)
         n = len(prompts)
         if n == 0:
@@ -154,21 +175,21 @@ class DFlashEngine:
             except DFlashError as e:
                 raise DFlashError(f"prompt {i}: {e}") from None
 
-        seqs = [self.sequence(i, p, params[i], max_new[i], stop, Q, lookup) for i, p in enumerate(prompts)]
-        W = self.verify_width(Q, lookup)
-        batch = DecodeBatch(self, Q, max(cache_positions(len(p), m, W) for p, m in zip(prompts, max_new)), lookup)
+        seqs = [self.sequence(i, p, params[i], max_new[i], stop, Q, lookup, tree) for i, p in enumerate(prompts)]
+        W = self.verify_width(Q, lookup, tree)
+        batch = DecodeBatch(self, Q, max(cache_positions(len(p), m, W) for p, m in zip(prompts, max_new)), lookup, tree)
         yield batch.add(seqs)
         while batch.alive:
             yield batch.step()
 
     def sequence(self, index: int, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(),
                  max_new_tokens: int = 256, stop: Sequence[str] | None = None, block_size: int | None = None,
-                 lookup: LookupParams | None = None) -> _Seq:
+                 lookup: LookupParams | None = None, tree: int | None = None) -> _Seq:
         """A validated sequence ready to join a `DecodeBatch` (the server's entry point)."""
         stop = [x for x in (stop or []) if x]
         self.validate(prompt, max_new_tokens, stop)
         Q = block_size if block_size is not None else self.block_size
-        return _Seq(index, list(prompt), max_new_tokens, GenerationStats(block_size=self.depth_span(Q, lookup), prompt_tokens=len(prompt)),
+        return _Seq(index, list(prompt), max_new_tokens, GenerationStats(block_size=self.depth_span(Q, lookup, tree), prompt_tokens=len(prompt)),
                     sampling, stop, t_arrival=time.perf_counter())
 
     def validate(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[str] | None = None) -> None:
@@ -189,11 +210,13 @@ class DFlashEngine:
         return PositionCache(c.num_hidden_layers, n, c.num_key_value_heads, max_len, c.head_dim,
                              self.target.dtype, self.target.device)
 
-    def _draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len: int, seqs: list[_Seq]) -> torch.Tensor:
+    def _draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len: int, seqs: list[_Seq],
+               k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Ingest pending context features [b, R, k*H] at feat_pos [b, R]; draft from `anchor` [b] at blk_pos [b, Q].
 
-        Returns the B-1 argmax proposals [b, Q-1] as target token ids. (`seqs`, the rows' host state with
-        their committed tokens, is unused here; test oracles that replace this method read it.)
+        Returns the drafter's k best tokens per block slot 1..B-1 as target ids [b, Q-1, k], best first, and
+        their log-probabilities [b, Q-1, k] (float32). (`seqs`, the rows' host state with their committed
+        tokens, is unused here; test oracles that replace this method read it.)
         """
         dr, c = self.drafter, self.drafter.config
         self._ingest(dcache, feats, feat_pos)
@@ -211,8 +234,13 @@ class DFlashEngine:
         h = dr(self.target.embed(block), blk_pos, ctx_kv, mask)
         # Same-position prediction: output slot j (j >= 1) proposes the token AT position anchor + j;
         # slot 0 (the anchor itself) is discarded.
-        drafts = self.target.logits(h[:, 1:], self._draft_head).argmax(-1)
-        return self._d2t[drafts] if self._d2t is not None else drafts
+        logits = self.target.logits(h[:, 1:], self._draft_head)
+        if k == 1:  # the chain needs no probabilities: skip the softmax
+            logp, drafts = logits.max(-1, keepdim=True)
+            logp = torch.zeros_like(logp, dtype=torch.float32)
+        else:
+            logp, drafts = logits.float().log_softmax(-1).topk(k, dim=-1)
+        return (self._d2t[drafts] if self._d2t is not None else drafts), logp
 
     def _ingest(self, dcache, feats, feat_pos) -> None:
         """Write the context K/V of features [b, R, k*H] at positions feat_pos [b, R] into the draft cache."""
@@ -284,15 +312,17 @@ class DecodeBatch:
     through it; the server keeps one open and lets requests come and go (continuous batching).
     """
 
-    def __init__(self, engine: DFlashEngine, block_size: int, max_len: int, lookup: LookupParams | None = None):
+    def __init__(self, engine: DFlashEngine, block_size: int, max_len: int, lookup: LookupParams | None = None,
+                 tree: int | None = None):
         self.engine, self.Q, self.max_len = engine, block_size, max_len
         self.lookup = lookup or engine.lookup
         self.use_draft = block_size > 1
-        self.use_tree = self.lookup.enabled
-        self.width = engine.verify_width(block_size, self.lookup)
+        self.tree = (engine.tree if tree is None else tree) if self.use_draft else 0
+        self.use_tree = self.lookup.enabled or self.tree > 0
+        self.width = engine.verify_width(block_size, self.lookup, self.tree)
         # Pending context features are kept at one width for all rows (rows join and leave): a block, or
         # the deepest path a draft tree can accept.
-        self.pend_width = engine.depth_span(block_size, self.lookup) if self.use_tree else block_size
+        self.pend_width = engine.depth_span(block_size, self.lookup, self.tree) if self.use_tree else block_size
         self.seqs: list[_Seq] = []
         self.starts: list[int] = []  # host copy of `start`
         self.tcache = self.dcache = self.sampler = None
@@ -397,9 +427,9 @@ class DecodeBatch:
             return self._tree_step(live)
         blk_pos = self.start[:, None] + self._arange_q  # [b, Q] positions of the block
         if self.use_draft:
-            drafts = eng._draft(self.dcache, self.pend_feats, self.pend_pos, self.anchor, blk_pos, self.start,
-                                max(self.starts), self.seqs)
-            ids = torch.cat([self.anchor[:, None], drafts], dim=1)  # [b, Q]
+            drafts, _ = eng._draft(self.dcache, self.pend_feats, self.pend_pos, self.anchor, blk_pos, self.start,
+                                   max(self.starts), self.seqs)
+            ids = torch.cat([self.anchor[:, None], drafts[..., 0]], dim=1)  # [b, Q]
         else:
             ids = self.anchor[:, None]
         hidden, feats = tgt.forward(ids, blk_pos, self.tcache, kv_len=max(self.starts) + Q, taps=self.use_draft)
@@ -426,12 +456,12 @@ class DecodeBatch:
         return out
 
     def _tree_step(self, live: torch.Tensor | None) -> list[StepOutput]:
-        """One cycle with a draft tree: DFlash chain + lookup branch, verified in one pass (`tree.py`)."""
+        """One cycle with a draft tree: the drafter's chain or tree + the lookup branch, verified in one pass (`tree.py`)."""
         eng, tgt, lk = self.engine, self.engine.target, self.lookup
         b, dev = len(self.seqs), tgt.device
         # 1. lookup proposals, on the host where the committed tokens are (finished rows get none).
-        props = [propose(s.prompt + s.generated, lk) if not s.finished else ([], 0) for s in self.seqs]
-        k = lk.max_tokens
+        props = [propose(s.prompt + s.generated, lk) if lk.enabled and not s.finished else ([], 0) for s in self.seqs]
+        k = max(len(p) for p, _ in props)  # the branch is only as wide as the longest proposal (known on the host)
         branch = torch.zeros((b, k), dtype=torch.long)
         for i, (p, _) in enumerate(props):
             branch[i, :len(p)] = torch.tensor(p, dtype=torch.long)
@@ -439,7 +469,7 @@ class DecodeBatch:
         branch = branch.to(dev)
         # 2. the DFlash chain, unless every live row has a long lookup match (then skip the drafter's forward;
         #    its context features are still ingested, or the draft cache would miss these positions).
-        chain = None
+        draft = None
         if self.use_draft:
             strong = lk.skip_drafter_n and all(n >= lk.skip_drafter_n for (_, n), s in zip(props, self.seqs)
                                                if not s.finished)
@@ -447,9 +477,12 @@ class DecodeBatch:
                 eng._ingest(self.dcache, self.pend_feats, self.pend_pos)
             else:
                 blk_pos = self.start[:, None] + self._arange_q
-                chain = eng._draft(self.dcache, self.pend_feats, self.pend_pos, self.anchor, blk_pos, self.start,
-                                   max(self.starts), self.seqs)
-        tree = build(self.anchor, chain, branch, branch_len)
+                # A tree of n nodes needs at most the n best tokens per slot (its beam is then exact, `topk_tree`).
+                toks, logp = eng._draft(self.dcache, self.pend_feats, self.pend_pos, self.anchor, blk_pos, self.start,
+                                        max(self.starts), self.seqs, k=min(self.tree, 16) if self.tree else 1)
+                draft = (topk_tree(toks, logp, self.tree, eng.tree_min_prob) if self.tree
+                         else chain_nodes(toks[..., 0]))
+        tree = build(self.anchor, draft, branch, branch_len)
         # 3. verify: node i sits in slot start + i at position start + depth(i) (RoPE), sees its ancestors.
         W = tree.width
         kv_len = max(self.starts) + W

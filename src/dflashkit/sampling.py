@@ -84,7 +84,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [B, Q, V] -> chosen token ids [B, Q] (argmax for greedy rows)."""
-        choice = logits.argmax(-1)
+        # float32 first: exact for bf16/fp16 (same order, same first maximum), and torch's CPU argmax over
+        # bf16 is ~5x slower than the conversion plus a float32 argmax (2 ms for a 24 x 49K verify pass).
+        choice = logits.float().argmax(-1)
         if self.all_greedy:
             return choice
         probs = self.probs(logits)

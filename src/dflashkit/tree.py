@@ -1,20 +1,23 @@
-"""The draft tree: the DFlash chain plus a lookup branch, verified in ONE target pass.
+"""The draft tree: what the drafter proposes plus a lookup branch, verified in ONE target pass.
 
 Nodes of one row, in this order (node index = offset of its cache slot from the row's `start`):
   0            the anchor (the last committed token), depth 0, at position start;
-  1 .. m       the DFlash chain d_1..d_m, node j at depth j (slot == position, as in a plain block);
-  m+1 .. m+k   the lookup branch l_1..l_k, branch node j at depth j, position start + j, but slot
-               start + m + j: two nodes at the same depth cannot share a slot.
-The branch hangs off the chain where they part: if l_1..l_c equal d_1..d_c, those branch nodes are
-dead duplicates and l_{c+1} is a child of chain node c (of the anchor if c = 0). Dead and padding
-nodes are never accepted.
+  1 .. m       the drafter's nodes: either the DFlash chain d_1..d_m (node j at depth j, slot == position,
+               as in a plain block) or a drafter TREE (`topk_tree`): the m most likely paths through the
+               drafter's top-k tokens per block slot, parents before children;
+  m+1 .. m+k   the lookup branch l_1..l_k, branch node j at depth j, position start + j, slot start + m + j.
+A node's position is start + its depth, its slot start + its index: two nodes at one depth cannot share a
+slot. The branch hangs off the drafter's nodes where they part: if l_1..l_c is a path of drafter nodes,
+those branch nodes are dead duplicates and l_{c+1} is a child of that path's last node (of the anchor if
+c = 0). Dead and padding nodes are never accepted.
 
 Verification walks the tree from the anchor following the TARGET's choice at each node (argmax at
 T=0, one sample at T>0): move to the child carrying that token, else stop; the choice at the last node
 is the bonus. Every committed token is then the target's own choice given exactly the committed prefix,
-so output is exact at any temperature. Why duplicates must die: two sibling nodes with the same token
-would carry two independent target samples of the same distribution, and keeping the luckier one would
-bias sampling.
+so output is exact at any temperature, whatever the tree's shape, as long as siblings carry distinct
+tokens. Why duplicates must die: two sibling nodes with the same token would carry two independent
+target samples of the same distribution, and keeping the luckier one would bias sampling. (Likewise the
+tree's shape must never depend on the target's samples; it depends on the drafter and the lookup only.)
 
 After acceptance, the path's K/V (and the drafter's context features) are moved to slot == position,
 the invariant `cache.py` relies on.
@@ -22,6 +25,7 @@ the invariant `cache.py` relies on.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,31 +44,106 @@ class DraftTree:
         return self.tokens.shape[1]
 
 
-def build(anchor: torch.Tensor, chain: torch.Tensor | None, branch: torch.Tensor, branch_len: torch.Tensor) -> DraftTree:
-    """anchor: [b]; chain: [b, m] DFlash proposals (None or m = 0: no drafter this step);
+@dataclass
+class DraftNodes:
+    """The drafter's part of a tree; node i here is tree node i + 1 (tree node 0 is the anchor)."""
+
+    tokens: torch.Tensor  # [b, m]
+    parent: torch.Tensor  # [b, m] tree node index of the parent (0 = the anchor), parents before children
+    depth: torch.Tensor  # [b, m] 1 + the parent's depth
+    max_depth: int  # a bound known on the host (no sync): the deepest a node can be
+    alive: torch.Tensor | None = None  # [b, m] bool, False = padding (never accepted); None = all alive
+
+
+def chain_nodes(chain: torch.Tensor) -> DraftNodes:
+    """chain: [b, m] -> the chain as drafter nodes: node j has parent j - 1."""
+    b, m = chain.shape
+    j = torch.arange(1, m + 1, device=chain.device).expand(b, m)
+    return DraftNodes(chain, j - 1, j, m)
+
+
+def topk_tree(tokens: torch.Tensor, logp: torch.Tensor, n: int, min_prob: float = 0.0) -> DraftNodes:
+    """The n most likely drafter paths, as n' = min(n, D*K) drafter nodes.
+
+    tokens, logp: [b, D, K] the drafter's K best tokens per block slot 1..D and their log-probabilities,
+    best first. A DFlash block predicts every slot in one pass, so slot j's distribution does not depend on
+    which tokens fill slots < j: a path's score is the sum of its tokens' log-probs. Per depth the K best
+    paths are kept (a beam), then the n best of all kept paths become the tree (EAGLE-2's rule with
+    DFlash's factorised scores). A child scores at most its parent (log-probs <= 0) and ties go to the
+    shallower node, so the chosen set is prefix-closed: every chosen node's parent is chosen too.
+    Children of one parent are distinct top-k tokens, so siblings never duplicate.
+
+    min_prob > 0 also drops the paths the drafter gives less than that probability, and the tree's width
+    becomes the largest number of nodes any row keeps (one host sync): on a CPU every verified token costs
+    time, and a path this unlikely is not worth it. Rows with fewer nodes get dead padding."""
+    b, D, K = tokens.shape
+    dev = tokens.device
+    logp = logp.double()  # sums of many log-probs: keep the depth tie-break below exact
+    score, tok = logp[:, 0], tokens[:, 0]  # depth-1 beam: [b, K]
+    scores, toks, parents = [score], [tok], [torch.full((b, K), -1, dtype=torch.long, device=dev)]
+    for j in range(1, D):
+        cand = (score[:, :, None] + logp[:, j, None, :]).reshape(b, K * K)  # every beam path x slot j's top-K
+        score, idx = cand.topk(K, dim=1)
+        toks.append(tokens[:, j].gather(1, idx % K))
+        parents.append((j - 1) * K + idx // K)  # flat index of the parent in the previous depth's beam
+        scores.append(score)
+    score = torch.cat(scores, 1)  # [b, D*K], flat index = depth-major, so parents come first
+    depth = torch.arange(1, D + 1, device=dev).repeat_interleave(K)
+    n = min(n, D * K)
+    # Ties go to the shallower node (then the better rank): the prefix-closure above relies on it.
+    top = (score - 1e-9 * depth).topk(n, dim=1).indices  # [b, n] flat indices
+    alive = None
+    if min_prob > 0:
+        keep = score.gather(1, top) >= math.log(min_prob)  # prefix-closed too: a parent scores at least its child
+        # Kept nodes first, each group in flat order (parents first), then cut to the widest row's kept count.
+        key = (top + torch.where(keep, 0, D * K)).sort(dim=1).values
+        n = int(keep.sum(1).max())  # the one extra host sync of a pruned tree
+        key = key[:, :n]
+        chosen, alive = key % (D * K), key < D * K
+    else:
+        chosen = top.sort(dim=1).values  # parents first
+    new_index = torch.zeros(b, D * K + 1, dtype=torch.long, device=dev)  # flat index + 1 -> node index (0: anchor)
+    new_index.scatter_(1, chosen + 1, torch.arange(1, n + 1, device=dev).expand(b, n))
+    parent = new_index.gather(1, torch.cat(parents, 1).gather(1, chosen) + 1)
+    return DraftNodes(torch.cat(toks, 1).gather(1, chosen), parent, depth.expand(b, D * K).gather(1, chosen), min(n, D),
+                      alive)
+
+
+def build(anchor: torch.Tensor, draft: DraftNodes | None, branch: torch.Tensor, branch_len: torch.Tensor) -> DraftTree:
+    """anchor: [b]; draft: the drafter's nodes (`chain_nodes` or `topk_tree`; None: no drafter this step);
     branch: [b, k] lookup proposals, right-padded; branch_len: [b] valid branch tokens per row."""
     b, k = branch.shape
     dev = anchor.device
-    m = 0 if chain is None else chain.shape[1]
-    j_m = torch.arange(1, m + 1, device=dev)
-    j_k = torch.arange(1, k + 1, device=dev)
-    # c: how many leading branch tokens equal the chain's (the shared prefix).
+    zero = torch.zeros(b, 1, dtype=torch.long, device=dev)
+    draft = draft or DraftNodes(branch[:, :0], branch[:, :0], branch[:, :0], 0)
+    d_tok, d_par, d_dep, dmax = draft.tokens, draft.parent, draft.depth, draft.max_depth
+    m = d_tok.shape[1]
+    parent = torch.cat([zero, d_par], 1)  # [b, 1+m]
+    depth = torch.cat([zero, d_dep], 1)
+    # c: the depth of the deepest drafter node whose path from the anchor spells l_1..l_c (the shared prefix).
+    on = torch.zeros(b, 1 + m, dtype=torch.bool, device=dev)
+    on[:, 0] = True
     if m and k:
-        L = min(m, k)
-        c = (branch[:, :L] == chain[:, :L]).to(torch.int32).cumprod(1).sum(1)  # [b]
-    else:
-        c = torch.zeros(b, dtype=torch.long, device=dev)
-    c = c.long()
-    tokens = torch.cat([anchor[:, None], chain if m else branch[:, :0], branch], dim=1)
-    chain_parent = (j_m - 1).expand(b, m)
-    # branch node j: parent = chain node c if j == c + 1, else branch node j - 1 (slot m + j - 1).
+        want = torch.cat([zero, branch], 1).gather(1, depth.clamp(max=k))  # l_d for a node at depth d
+        match = (torch.cat([zero, d_tok], 1) == want) & (depth <= branch_len[:, None]) & (depth <= k)
+        if draft.alive is not None:  # a branch must never hang off a dead node: it could not be accepted
+            match[:, 1:] &= draft.alive
+        match[:, 0] = True
+        for _ in range(dmax):  # on the branch's path iff it and all its ancestors match
+            on = match & on.gather(1, parent)
+    c, attach = torch.where(on, depth, -1).max(dim=1)  # siblings are distinct: one node per depth at most
+    j_k = torch.arange(1, k + 1, device=dev)
+    # branch node j: parent = the attach node if j == c + 1, else branch node j - 1 (node index m + j - 1).
     first = j_k[None] == (c[:, None] + 1)
-    branch_parent = torch.where(first, c[:, None].expand(b, k), m + j_k[None] - 1)
-    parent = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), chain_parent, branch_parent], dim=1)
-    depth = torch.cat([torch.arange(m + 1, device=dev).expand(b, m + 1), j_k.expand(b, k)], dim=1)
+    branch_parent = torch.where(first, attach[:, None].expand(b, k), m + j_k[None] - 1)
     branch_alive = (j_k[None] > c[:, None]) & (j_k[None] <= branch_len[:, None])
-    alive = torch.cat([torch.ones(b, m + 1, dtype=torch.bool, device=dev), branch_alive], dim=1)
-    return DraftTree(tokens, parent, depth, alive, max(m, k))
+    return DraftTree(tokens=torch.cat([anchor[:, None], d_tok, branch], 1),
+                     parent=torch.cat([parent, branch_parent], 1),
+                     depth=torch.cat([depth, j_k.expand(b, k)], 1),
+                     alive=torch.cat([torch.ones(b, 1, dtype=torch.bool, device=dev),
+                                      torch.ones_like(d_tok, dtype=torch.bool) if draft.alive is None else draft.alive,
+                                      branch_alive], 1),
+                     max_depth=max(dmax, k))
 
 
 def ancestors(tree: DraftTree) -> torch.Tensor:
