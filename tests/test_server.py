@@ -221,8 +221,9 @@ def test_cli_serve_runs_the_engine_on_its_main_thread_and_drains_on_sigterm(tmp_
 
 
 def test_lookup_branch_under_continuous_batching():
-    """A server whose engine verifies draft trees (block 4 + a 6-token lookup branch): clients that arrive while
-    others are mid-generation (rows join and leave the running batch) still get exactly their text alone."""
+    """A server whose engine verifies draft trees (a pruned drafter tree of up to 6 nodes over the drafter's 16K most
+    frequent ids, block 4, + a 6-token lookup branch): clients that arrive while others are mid-generation (rows join
+    and leave the running batch) still get exactly their text alone."""
     from dflashkit import DFlashEngine
     from dflashkit.loader import encode_chat, load_default_drafter, load_target
     from dflashkit.lookup import LookupParams
@@ -230,7 +231,8 @@ def test_lookup_branch_under_continuous_batching():
 
     target, tok = load_target(dtype="float32")
     drafter, _ = load_default_drafter(target, tok)
-    engine = DFlashEngine(target, drafter, tokenizer=tok, block_size=4, lookup=LookupParams(max_tokens=6, skip_drafter_n=2))
+    engine = DFlashEngine(target, drafter, tokenizer=tok, block_size=4, tree=6, tree_min_prob=0.03, draft_vocab=16384,
+                          lookup=LookupParams(max_tokens=6, skip_drafter_n=2, tokens_per_n=3))
     app = build_app(engine, tok, "t", block_size=4, max_batch=4, max_queue=16, max_len=1024)
     srv, th, url = serve_in_thread(app)
     try:

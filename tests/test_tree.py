@@ -274,3 +274,50 @@ def test_bad_tree_size_raises_a_clear_error():
     for bad in (-0.1, 1.0):
         with pytest.raises(DFlashError, match="tree_min_prob"):
             DFlashEngine(t_, make_drafter(t_), tree=4, tree_min_prob=bad)
+
+
+def test_draft_vocab_drafts_over_the_most_frequent_ids_and_stays_exact(tmp_path):
+    from dflashkit.checkpoint import load_drafter, save_drafter, save_token_ranking
+
+    t_ = make_target("llama")
+    d = save_drafter(make_drafter(t_, block_size=4), tmp_path / "d")
+    ranking = list(range(t_.vocab_size - 1, -1, -1))  # pretend the highest ids are the most frequent
+    save_token_ranking(d, ranking, "test")
+    dr = load_drafter(d, dtype=torch.float64)
+    assert dr.token_ranking == ranking
+    ar = DFlashEngine(t_, dr, eos_token_ids=[]).generate(PROMPTS, max_new_tokens=24, block_size=1)
+    for tree in (0, 5):
+        eng = DFlashEngine(t_, dr, eos_token_ids=[], tree=tree, draft_vocab=20)
+        assert eng._d2t.tolist() == sorted(ranking[:20])
+        seen = []
+        real = eng._draft
+
+        def spy(*a, **kw):
+            toks, logp = real(*a, **kw)
+            seen.append(toks)
+            return toks, logp
+        eng._draft = spy
+        assert [g.tokens for g in eng.generate(PROMPTS, max_new_tokens=24)] == [g.tokens for g in ar]
+        assert seen and all(int(x.min()) >= t_.vocab_size - 20 for x in seen)  # proposals come from the 20 ids only
+
+
+def test_draft_vocab_errors_name_the_remedy(tmp_path):
+    from dflashkit.checkpoint import RANKING, load_drafter, save_drafter
+
+    t_ = make_target("llama")
+    with pytest.raises(DFlashError, match="token_ranking.json"):
+        DFlashEngine(t_, make_drafter(t_), draft_vocab=8)  # no ranking
+    with pytest.raises(DFlashError, match="own reduced draft vocabulary"):
+        dr = make_drafter(t_, draft_vocab_size=16)
+        dr.token_ranking = list(range(30))
+        DFlashEngine(t_, dr, draft_vocab=8)
+    dr = make_drafter(t_)
+    dr.token_ranking = list(range(30))
+    with pytest.raises(DFlashError, match="exceeds"):
+        DFlashEngine(t_, dr, draft_vocab=31)
+    with pytest.raises(DFlashError, match="draft_vocab must be"):
+        DFlashEngine(t_, dr, draft_vocab=-2)
+    d = save_drafter(make_drafter(t_), tmp_path / "d")
+    (d / RANKING).write_text("{not json")
+    with pytest.raises(DFlashError, match="corrupt"):
+        load_drafter(d)

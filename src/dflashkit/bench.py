@@ -421,6 +421,8 @@ class BenchConfig:
     # without lookup) and `lookup` (lookup alone):
     tree: int = 0  # drafter tree nodes of dflash-lookup and dflash-tree (0 = the chain)
     tree_min_prob: float = 0.0  # ... minus the paths the drafter gives less than this probability
+    draft_vocab: int = 0  # dflash-lookup / dflash-tree: draft over the N most frequent ids (0 = all, -1 = the drafter's default)
+    lookup_per_n: int = 0  # lookup tokens per matched suffix token (0 = always `lookup`)
     lookup: int = 8  # longest lookup proposal
     lookup_skip: int = 2  # skip the drafter when the lookup matched a suffix this long (0 = always draft)
     lookup_block_sizes: list[int] = field(default_factory=list)  # DFlash block sizes with lookup (default: block_sizes)
@@ -428,7 +430,7 @@ class BenchConfig:
 
 
 def run_bench(cfg: BenchConfig) -> dict:
-    from .checkpoint import load_drafter
+    from .checkpoint import default_draft_vocab, load_drafter
     from .engine import DFlashEngine
     from .loader import encode_chat, load_default_drafter, load_target, parse_dtype
     from .lookup import LookupParams
@@ -461,7 +463,10 @@ def run_bench(cfg: BenchConfig) -> dict:
             kk = 0 if m == "dflash-tree" else k
             lk = DFlashEngine(target, drafter, tokenizer=tok, tree=cfg.tree if m != "lookup" else 0,
                               tree_min_prob=cfg.tree_min_prob if m != "lookup" else 0.0,
-                              lookup=LookupParams(max_tokens=kk, skip_drafter_n=cfg.lookup_skip if m != "lookup" else 0))
+                              draft_vocab=(cfg.draft_vocab if cfg.draft_vocab >= 0 else default_draft_vocab(drafter))
+                              if m != "lookup" else 0,
+                              lookup=LookupParams(max_tokens=kk, skip_drafter_n=cfg.lookup_skip if m != "lookup" else 0,
+                                                  tokens_per_n=cfg.lookup_per_n))
             for b in (cfg.lookup_block_sizes or cfg.block_sizes) if m != "lookup" else [1]:
                 tree = f"-tree{cfg.tree}" + (f"p{cfg.tree_min_prob:g}" if cfg.tree_min_prob else "") if cfg.tree else ""
                 name = (f"dflash-b{b}{tree}" + (f"-lookup{kk}" if kk else "")

@@ -17,19 +17,32 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help="Z Lab-format drafter directory (default: the bundled drafter)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--lookup", type=int, default=8,
+    p.add_argument("--lookup", type=int, default=16,
                    help="also verify an n-gram lookup branch of up to N tokens copied from earlier in the sequence, "
                         "beside the DFlash block (a draft tree; output stays exact). 0 = off. bench: the lookup length "
                         "of its dflash-lookup and lookup methods (its ar and dflash rows never use lookup)")
-    p.add_argument("--tree", type=int, default=0,
+    p.add_argument("--tree", type=int, default=20,
                    help="draft a TREE: the drafter's N most likely paths through its top tokens per block slot, "
                         "verified in one pass (output stays exact); 0 = the plain chain of argmaxes. bench: the tree "
                         "of its dflash-lookup and dflash-tree methods")
-    p.add_argument("--tree-min-prob", type=float, default=0.0,
+    p.add_argument("--tree-min-prob", type=float, default=0.03,
                    help="with --tree: also drop the paths the drafter gives less than this probability (the verify "
                         "pass then holds only the likely nodes; 0 = keep all N)")
-    p.add_argument("--lookup-skip", type=int, default=2,
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft over the drafter's N most frequent training ids only (needs its token_ranking.json; "
+                        "fewer LM-head rows to read; verification keeps the full vocabulary). 0 = all ids; "
+                        "default: 16384 if the drafter has a token ranking, else 0")
+    p.add_argument("--lookup-per-n", type=int, default=4,
+                   help="propose at most this many lookup tokens per matched suffix token (0 = always --lookup)")
+    p.add_argument("--lookup-skip", type=int, default=3,
                    help="skip the drafter's forward when the lookup matched a suffix of at least this many tokens (0 = never)")
+
+
+def draft_vocab(flag: int | None, drafter) -> int:
+    """--draft-vocab: as given, else the drafter's default (`checkpoint.default_draft_vocab`)."""
+    from .checkpoint import default_draft_vocab
+
+    return default_draft_vocab(drafter) if flag is None else flag
 
 
 def load_models(args):
@@ -50,9 +63,9 @@ def load_models(args):
         drafter, trained = load_default_drafter(target, tok)
     else:  # a custom target: the bundled drafter is SmolLM2's, so only --block-size 1 works without --drafter
         drafter, trained = None, False
-    lookup = LookupParams(max_tokens=args.lookup, skip_drafter_n=args.lookup_skip)
-    return (DFlashEngine(target, drafter, tokenizer=tok, lookup=lookup, tree=args.tree, tree_min_prob=args.tree_min_prob),
-            tok, trained)
+    lookup = LookupParams(max_tokens=args.lookup, skip_drafter_n=args.lookup_skip, tokens_per_n=args.lookup_per_n)
+    return (DFlashEngine(target, drafter, tokenizer=tok, lookup=lookup, tree=args.tree, tree_min_prob=args.tree_min_prob,
+                         draft_vocab=draft_vocab(args.draft_vocab, drafter)), tok, trained)
 
 
 def cmd_generate(args) -> int:
@@ -157,6 +170,7 @@ def cmd_bench(args) -> int:
                       target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
                       speed_bench_dir=args.speed_bench_dir, noise_prompts=args.noise_prompts,
                       lookup=args.lookup, lookup_skip=args.lookup_skip, tree=args.tree, tree_min_prob=args.tree_min_prob,
+                      lookup_per_n=args.lookup_per_n, draft_vocab=-1 if args.draft_vocab is None else args.draft_vocab,
                       lookup_block_sizes=args.lookup_block_size or [], command="dflashkit " + " ".join(sys.argv[1:]))
     report = write_report(run_bench(cfg), args.out)
     print(markdown(report))

@@ -117,6 +117,9 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.config = cfg
+        # Target ids by training frequency, most frequent first (`checkpoint.RANKING`); lets the engine draft over
+        # the most frequent ids only (`DFlashEngine(draft_vocab=N)`). Not a weight: None when the directory has none.
+        self.token_ranking: list[int] | None = None
         self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))

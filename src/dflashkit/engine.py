@@ -95,7 +95,8 @@ def check_compatible(drafter: DFlashDrafter, target: Target) -> None:
 class DFlashEngine:
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, tokenizer=None,
                  block_size: int | None = None, eos_token_ids: Sequence[int] | None = None,
-                 lookup: LookupParams | None = None, tree: int = 0, tree_min_prob: float = 0.0):
+                 lookup: LookupParams | None = None, tree: int = 0, tree_min_prob: float = 0.0,
+                 draft_vocab: int = 0):
         self.target = target
         self.lookup = lookup or LookupParams()
         self.tree = self._check_tree(tree)
@@ -109,6 +110,8 @@ class DFlashEngine:
             target.set_taps(drafter.config.target_layer_ids)
             drafter.to(device=target.device, dtype=target.dtype).eval()
             d2t = drafter.draft_to_target_ids()
+            if draft_vocab:
+                d2t = self._frequent_ids(drafter, draft_vocab)
             # Reduced draft vocabulary: draft logits over a row subset of the target's LM head. Verification
             # still uses the full vocabulary, so output stays exact; only the proposals are restricted.
             self._d2t = d2t.to(target.device) if d2t is not None else None
@@ -119,6 +122,21 @@ class DFlashEngine:
             eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
             eos_token_ids = [] if eos is None else [eos]
         self.eos_token_ids = set(eos_token_ids)
+
+    @staticmethod
+    def _frequent_ids(drafter: DFlashDrafter, n) -> torch.Tensor:
+        """The drafter's n most frequent training ids: drafting over them only reads n rows of the LM head."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise DFlashError(f"draft_vocab must be an integer >= 1, or 0 for the full vocabulary (got {n!r}).")
+        if drafter.d2t is not None:
+            raise DFlashError("this drafter was trained with its own reduced draft vocabulary; leave draft_vocab at 0.")
+        ranking = drafter.token_ranking
+        if ranking is None:
+            raise DFlashError("draft_vocab needs the drafter's token_ranking.json (its training ids by frequency; see "
+                              "docs/training.md); this drafter has none, so use draft_vocab 0 (the full vocabulary).")
+        if n > len(ranking):
+            raise DFlashError(f"draft_vocab {n} exceeds the {len(ranking)} ids the drafter's token ranking holds.")
+        return torch.tensor(sorted(ranking[:n]), dtype=torch.long)
 
     def _drafted(self, block_size: int, tree: int | None) -> tuple[int, int]:
         """(drafter nodes per step, their deepest depth): the chain's B-1, or a tree's n nodes within B-1 slots."""

@@ -23,18 +23,23 @@ from .errors import DFlashError
 class LookupParams:
     """max_tokens: longest proposal (0 = lookup off). max_n/min_n: suffix lengths tried, longest first.
     skip_drafter_n: when every live sequence's match is at least this long, the step verifies the lookup
-    branch alone and skips the drafter's forward (0 = always draft)."""
+    branch alone and skips the drafter's forward (0 = always draft).
+    tokens_per_n: propose at most this many tokens per matched suffix token (0 = always max_tokens): a
+    1-token match is a weak guess, and every proposed token widens the verify pass."""
 
     max_tokens: int = 0
     max_n: int = 4
     min_n: int = 1
     skip_drafter_n: int = 0
+    tokens_per_n: int = 0
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             raise DFlashError(f"lookup length must be an integer >= 0 (got {self.max_tokens}); 0 turns lookup off.")
         if not 1 <= self.min_n <= self.max_n:
             raise DFlashError(f"lookup n-gram sizes need 1 <= min_n <= max_n (got min_n={self.min_n}, max_n={self.max_n}).")
+        if self.tokens_per_n < 0:
+            raise DFlashError(f"tokens_per_n must be >= 0 (got {self.tokens_per_n}); 0 proposes max_tokens whatever the match.")
         if self.skip_drafter_n < 0:
             raise DFlashError(f"skip_drafter_n must be >= 0 (got {self.skip_drafter_n}); 0 means always draft.")
 
@@ -60,5 +65,6 @@ def propose(tokens: list[int] | np.ndarray, params: LookupParams) -> tuple[list[
         suffix = ids[t - n + 1:]
         for e in ends:
             if e - n + 1 >= 0 and np.array_equal(ids[e - n + 1:e + 1], suffix):
-                return ids[e + 1:e + 1 + params.max_tokens].tolist(), n
+                k = min(params.max_tokens, params.tokens_per_n * n) if params.tokens_per_n else params.max_tokens
+                return ids[e + 1:e + 1 + k].tolist(), n
     return [], 0
