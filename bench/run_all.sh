@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Regenerates the committed benchmark results (quiet 2-core CPU, ~5 h in all; nothing else may run meanwhile).
+# Regenerates the committed benchmark results (quiet 2-core CPU, ~6 h in all; nothing else may run meanwhile).
 #   bench/results/main           : every method on all 164 HumanEval + 80 MT-Bench (2 turns), 128 new tokens, B=16
 #   bench/results/acceptance-256 : the training acceptance setting: 164 HumanEval + 80 MT-Bench first turns,
 #                                  256 new tokens, B=16, ar and dflash (+ the mismatch audit, float64 re-decodes)
 #   bench/results/lookup-256     : the same setting with draft trees: DFlash B=16 and B=3 + an 8-token n-gram lookup
 #                                  branch, and the lookup branch alone
+#   bench/results/tree-256       : the same setting with the CLI's default draft tree: a pruned tree of the drafter's
+#                                  20 likeliest paths + an adaptive n-gram lookup branch (up to 16 tokens)
 #   bench/results/sweeps         : block size 4/8/16, T=0 and T=1, batch size 1/4/8/16, 16 HumanEval prompts
 #   bench/results/vllm-peers     : ar, dflash, vllm, vllm-dflash on 20 HumanEval + 20 MT-Bench questions
 #   bench/results/serve-load     : dflashkit serve vs vllm serve, AR and DFlash, concurrency 1-16
@@ -21,7 +23,10 @@ $B bench --dataset humaneval --dataset mt-bench-t1 --max-new-tokens 256 --block-
 .venv/bin/python bench/mismatch_audit.py bench/results/acceptance-256 --noise-prompts 24
 $B bench --dataset humaneval --dataset mt-bench-t1 --max-new-tokens 256 --block-size 16 \
     --methods ar,dflash-lookup,lookup --lookup 8 --lookup-skip 2 --lookup-block-size 16 --lookup-block-size 3 \
-    --out bench/results/lookup-256
+    --tree 0 --lookup-per-n 0 --draft-vocab 0 --out bench/results/lookup-256
+$B bench --dataset humaneval --dataset mt-bench-t1 --max-new-tokens 256 --block-size 16 \
+    --methods ar,dflash-lookup --tree 20 --tree-min-prob 0.03 --lookup 16 --lookup-per-n 4 --lookup-skip 3 \
+    --out bench/results/tree-256
 $B bench --dataset humaneval --limit 16 --max-new-tokens 128 \
     --block-size 4 --block-size 8 --block-size 16 --temperature 0 --temperature 1 \
     --batch-size 1 --batch-size 4 --batch-size 8 --batch-size 16 --methods ar,dflash --out bench/results/sweeps

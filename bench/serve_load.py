@@ -66,7 +66,7 @@ def dflashkit_server(block: int, dtype: str, threads: int, log: Path):
     port = free_port()
     cmd = [str(Path(sys.executable).parent / "dflashkit"), "serve", "--host", "127.0.0.1", "--port", str(port),
            "--dtype", dtype, "--block-size", str(block), "--max-batch", "16", "--max-len", "1024",
-           "--model-name", "smollm2", "--lookup", "0"]  # plain AR / DFlash rows, as in the committed results
+           "--model-name", "smollm2", "--lookup", "0", "--tree", "0", "--draft-vocab", "0"]  # plain AR / DFlash rows, as committed
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     base = f"http://127.0.0.1:{port}"
     with server_process(cmd, env, log, base, "dflashkit serve"):
