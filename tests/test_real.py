@@ -45,8 +45,14 @@ def test_greedy_speculative_matches_autoregressive_up_to_near_ties(real, capsys)
     hybrid = DFlashEngine(eng.target, eng.drafter, tokenizer=tok, lookup=LookupParams(max_tokens=8, skip_drafter_n=2))
     sp_lookup = hybrid.generate(prompts, max_new_tokens=n, block_size=8)
     assert max(a for g in sp_lookup for a in g.stats.accepted) > 0
+    # the CLI's default: a pruned drafter tree over the 16K most frequent ids + an adaptive lookup branch, B=16
+    tree = DFlashEngine(eng.target, eng.drafter, tokenizer=tok, tree=20, tree_min_prob=0.03, draft_vocab=16384,
+                        lookup=LookupParams(max_tokens=16, tokens_per_n=4, skip_drafter_n=3))
+    sp_tree = tree.generate(prompts, max_new_tokens=n)
+    assert sum(g.stats.tau for g in sp_tree) / len(sp_tree) > 1.5
     near_ties = 0
-    for p, a, s in [(p, a, s) for p, a, s1, s2 in zip(prompts, ar, sp, sp_lookup) for s in (s1, s2)]:
+    runs = [(p, a, s) for p, a, s1, s2, s3 in zip(prompts, ar, sp, sp_lookup, sp_tree) for s in (s1, s2, s3)]
+    for p, a, s in runs:
         if a.tokens == s.tokens:
             continue
         i = next(k for k, (x, y) in enumerate(zip(a.tokens, s.tokens)) if x != y)
@@ -57,7 +63,7 @@ def test_greedy_speculative_matches_autoregressive_up_to_near_ties(real, capsys)
         assert gap < 1e-3, f"divergence at token {i} with top-2 gap {gap} (not a near-tie)"
         near_ties += 1
     with capsys.disabled():
-        print(f"\n[real SmolLM2, float32] {near_ties} of {len(prompts)} greedy outputs diverge, all at near-ties")
+        print(f"\n[real SmolLM2, float32] {near_ties} of {len(runs)} greedy outputs diverge, all at near-ties")
 
 
 def test_cli_generate_json_and_stop_string():
@@ -80,6 +86,10 @@ def test_cli_generate_json_and_stop_string():
     (["--drafter", "/nonexistent"], "not a directory"),
     (["--target", "/nonexistent"], "does not exist"),
     (["--lookup", "-1"], "lookup length"),
+    (["--tree", "-1"], "tree size"),
+    (["--tree-min-prob", "1.5"], "tree_min_prob"),
+    (["--draft-vocab", "99999"], "exceeds"),
+    (["--lookup-per-n", "-2"], "tokens_per_n"),
 ])
 def test_cli_bad_input_names_the_remedy(argv, message):
     out = subprocess.run([sys.executable, "-m", "dflashkit.cli", "generate", "--prompt", "hi", "--max-new-tokens", "4"]
