@@ -252,6 +252,8 @@ def test_greedy_lossless_with_a_drafter_tree(arch, block_size, n, lookup, p_min,
     batch = eng.generate(PROMPTS, max_new_tokens=40)
     assert [g.tokens for g in batch] == [g.tokens for g in ar]
     assert eng.generate(PROMPTS[1:2], max_new_tokens=40)[0].tokens == ar[1].tokens
+    # the per-call override on an engine built without a tree
+    assert plain.generate(PROMPTS[1:2], max_new_tokens=40, tree=n)[0].tokens == ar[1].tokens
     if oracle:  # truths off the argmax were found: more than the chain of argmaxes could commit
         assert sum(g.stats.tau for g in batch) / len(batch) > 1.8
 
