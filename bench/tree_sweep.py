@@ -6,7 +6,7 @@ interleaved prompt by prompt so that machine drift hits all configs alike. Used 
     .venv/bin/python bench/tree_sweep.py humaneval 20 100 "ar,1,0,0,0,0,0,0 D,16,20,16,3,0.03,4,16384"
 
 The first config must be named `ar` (the reference for speedup and identical outputs)."""
-import sys, time, json, torch
+import sys, time, torch
 torch.set_num_threads(2)
 from dflashkit.bench import load_dataset
 from dflashkit.loader import load_target, load_default_drafter, encode_chat

@@ -15,6 +15,7 @@ import numpy as np
 
 from dflashkit.checkpoint import read_config, save_token_ranking
 from dflashkit.data import load_shards
+from dflashkit.train import token_counts
 
 
 def main() -> None:
@@ -23,13 +24,7 @@ def main() -> None:
     ap.add_argument("drafter", help="drafter directory to write token_ranking.json into")
     ap.add_argument("--keep", type=int, default=16384, help="ids to rank (the most frequent)")
     args = ap.parse_args()
-    vocab = read_config(args.drafter).vocab_size
-    counts = np.zeros(vocab, dtype=np.int64)
-    shards = load_shards(Path(args.data), "train")
-    for s in shards:
-        for i in range(len(s)):
-            toks, plen = s.example(i)
-            counts += np.bincount(toks[plen:], minlength=vocab)  # response tokens only: what the drafter proposes
+    counts = token_counts(load_shards(Path(args.data), "train"), read_config(args.drafter).vocab_size)
     order = np.argsort(-counts, kind="stable")[: args.keep]
     covered = counts[order].sum() / counts.sum()
     src = f"{args.data}: {int(counts.sum())} train response tokens; the top {args.keep} ids cover {covered:.4%}"

@@ -149,15 +149,32 @@ def test_tree_steps_keep_both_caches_exact(arch, monkeypatch):
 
 
 # ---- drafter trees: the n most likely paths through the drafter's top-k per slot ---------------------------
-def brute_force_best_paths(tokens, logp, n):
-    """All rank paths of every depth, scored by summed log-probs; the n best (ties to the shallower)."""
+def brute_force_best_paths(tokens, logp, n, min_logp=-math.inf):
+    """All rank paths of every depth, scored by summed log-probs; of the n best (ties to the shallower), those
+    scoring at least min_logp, as token tuples."""
     D, K = tokens.shape
     paths, frontier = [], [((), 0.0)]
     for j in range(D):
         frontier = [(p + (r,), s + float(logp[j, r])) for p, s in frontier for r in range(K)]
         paths += frontier
     paths.sort(key=lambda x: (-x[1], len(x[0])))
-    return {tuple(int(tokens[j, r]) for j, r in enumerate(p)) for p, _ in paths[:n]}
+    return {tuple(int(tokens[j, r]) for j, r in enumerate(p)) for p, s in paths[:n] if s >= min_logp}
+
+
+def node_paths(nodes, r, count):
+    """Row r's first `count` drafter nodes as token tuples, each rebuilt through its parents (node 0 = the anchor);
+    asserts that parents come before children, are alive, and that depths match the paths."""
+    paths = set()
+    for i in range(count):
+        path, node = [], i + 1
+        while node:
+            assert nodes.parent[r, node - 1] < node
+            assert nodes.alive is None or nodes.alive[r, node - 1]
+            path.append(int(nodes.tokens[r, node - 1]))
+            node = int(nodes.parent[r, node - 1])
+        assert len(path) == nodes.depth[r, i]
+        paths.add(tuple(reversed(path)))
+    return paths
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -171,16 +188,7 @@ def test_topk_tree_is_the_n_most_likely_paths(seed):
         tok, par, dep = nodes.tokens, nodes.parent, nodes.depth
         assert tok.shape == (b, n) and int(dep.max()) <= nodes.max_depth
         for r in range(b):
-            paths = set()
-            for i in range(n):  # rebuild each node's path through its parents (node 0 = the anchor)
-                path, node = [], i + 1
-                while node:
-                    assert par[r, node - 1] < node  # parents come before children
-                    path.append(int(tok[r, node - 1]))
-                    node = int(par[r, node - 1])
-                assert len(path) == dep[r, i]
-                paths.add(tuple(reversed(path)))
-            assert paths == brute_force_best_paths(tokens[r], logp[r], n)
+            assert node_paths(nodes, r, n) == brute_force_best_paths(tokens[r], logp[r], n)
             kids = {}
             for i in range(n):
                 kids.setdefault(int(par[r, i]), []).append(int(tok[r, i]))
@@ -196,23 +204,9 @@ def test_a_pruned_tree_keeps_the_likely_paths_and_pads_the_rest(seed):
     kept = nodes.alive.sum(1)
     assert nodes.tokens.shape[1] == int(kept.max()) <= n
     for r in range(b):
-        paths = set()
-        for i in range(int(kept[r])):
-            assert nodes.alive[r, : i + 1].all()  # kept nodes first, then padding
-            path, node = [], i + 1
-            while node:
-                assert nodes.alive[r, node - 1] and nodes.parent[r, node - 1] < node
-                path.append(int(nodes.tokens[r, node - 1]))
-                node = int(nodes.parent[r, node - 1])
-            paths.add(tuple(reversed(path)))
-        D_, K_ = idx[r].shape
-        best = []  # brute force: the n best paths, then those of probability >= p_min
-        frontier = [((), 0.0)]
-        for j in range(D_):
-            frontier = [(q + (int(idx[r, j, x]) + 100,), sc + float(logp[r, j, x])) for q, sc in frontier for x in range(K_)]
-            best += frontier
-        best.sort(key=lambda x: (-x[1], len(x[0])))
-        assert paths == {q for q, sc in best[:n] if sc >= math.log(p_min)}
+        assert nodes.alive[r, : int(kept[r])].all()  # kept nodes first, then padding
+        # the n best paths, then those of probability >= p_min
+        assert node_paths(nodes, r, int(kept[r])) == brute_force_best_paths(idx[r] + 100, logp[r], n, math.log(p_min))
 
 
 def test_a_lookup_branch_never_hangs_off_a_dead_node():

@@ -421,7 +421,7 @@ class BenchConfig:
     # without lookup) and `lookup` (lookup alone):
     tree: int = 0  # drafter tree nodes of dflash-lookup and dflash-tree (0 = the chain)
     tree_min_prob: float = 0.0  # ... minus the paths the drafter gives less than this probability
-    draft_vocab: int = 0  # dflash-lookup / dflash-tree: draft over the N most frequent ids (0 = all, -1 = the drafter's default)
+    draft_vocab: int | None = 0  # dflash-lookup / dflash-tree: draft over the N most frequent ids (0 = all, None = the drafter's default)
     lookup_per_n: int = 0  # lookup tokens per matched suffix token (0 = always `lookup`)
     lookup: int = 8  # longest lookup proposal
     lookup_skip: int = 2  # skip the drafter when the lookup matched a suffix this long (0 = always draft)
@@ -463,8 +463,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             kk = 0 if m == "dflash-tree" else k
             lk = DFlashEngine(target, drafter, tokenizer=tok, tree=cfg.tree if m != "lookup" else 0,
                               tree_min_prob=cfg.tree_min_prob if m != "lookup" else 0.0,
-                              draft_vocab=(cfg.draft_vocab if cfg.draft_vocab >= 0 else default_draft_vocab(drafter))
-                              if m != "lookup" else 0,
+                              draft_vocab=default_draft_vocab(drafter, cfg.draft_vocab) if m != "lookup" else 0,
                               lookup=LookupParams(max_tokens=kk, skip_drafter_n=cfg.lookup_skip if m != "lookup" else 0,
                                                   tokens_per_n=cfg.lookup_per_n))
             for b in (cfg.lookup_block_sizes or cfg.block_sizes) if m != "lookup" else [1]:

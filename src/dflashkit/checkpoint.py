@@ -73,9 +73,11 @@ def save_token_ranking(out_dir: str | os.PathLike, ids: list[int], source: str) 
     return path
 
 
-def default_draft_vocab(drafter) -> int:
-    """16384 (99.5 % of the bundled drafter's training response tokens) when the drafter ships a ranking that long
-    and drafts over the full vocabulary; else 0 (all ids)."""
+def default_draft_vocab(drafter, requested: int | None = None) -> int:
+    """`requested` if given (0 = all ids); else 16384 (99.5 % of the bundled drafter's training response tokens)
+    when the drafter ships a ranking that long and drafts over the full vocabulary, else 0."""
+    if requested is not None:
+        return requested
     if drafter is None or drafter.d2t is not None or drafter.token_ranking is None:
         return 0
     return 16384 if len(drafter.token_ranking) >= 16384 else 0

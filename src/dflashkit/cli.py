@@ -38,18 +38,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="skip the drafter's forward when the lookup matched a suffix of at least this many tokens (0 = never)")
 
 
-def draft_vocab(flag: int | None, drafter) -> int:
-    """--draft-vocab: as given, else the drafter's default (`checkpoint.default_draft_vocab`)."""
-    from .checkpoint import default_draft_vocab
-
-    return default_draft_vocab(drafter) if flag is None else flag
-
-
 def load_models(args):
     """(engine, tokenizer, drafter_trained) from the common model flags."""
     import torch
 
-    from .checkpoint import load_drafter
+    from .checkpoint import default_draft_vocab, load_drafter
     from .engine import DFlashEngine
     from .loader import load_default_drafter, load_target, parse_dtype
     from .lookup import LookupParams
@@ -65,7 +58,7 @@ def load_models(args):
         drafter, trained = None, False
     lookup = LookupParams(max_tokens=args.lookup, skip_drafter_n=args.lookup_skip, tokens_per_n=args.lookup_per_n)
     return (DFlashEngine(target, drafter, tokenizer=tok, lookup=lookup, tree=args.tree, tree_min_prob=args.tree_min_prob,
-                         draft_vocab=draft_vocab(args.draft_vocab, drafter)), tok, trained)
+                         draft_vocab=default_draft_vocab(drafter, args.draft_vocab)), tok, trained)
 
 
 def cmd_generate(args) -> int:
@@ -170,7 +163,7 @@ def cmd_bench(args) -> int:
                       target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
                       speed_bench_dir=args.speed_bench_dir, noise_prompts=args.noise_prompts,
                       lookup=args.lookup, lookup_skip=args.lookup_skip, tree=args.tree, tree_min_prob=args.tree_min_prob,
-                      lookup_per_n=args.lookup_per_n, draft_vocab=-1 if args.draft_vocab is None else args.draft_vocab,
+                      lookup_per_n=args.lookup_per_n, draft_vocab=args.draft_vocab,
                       lookup_block_sizes=args.lookup_block_size or [], command="dflashkit " + " ".join(sys.argv[1:]))
     report = write_report(run_bench(cfg), args.out)
     print(markdown(report))

@@ -253,9 +253,9 @@ class DFlashEngine:
         # Same-position prediction: output slot j (j >= 1) proposes the token AT position anchor + j;
         # slot 0 (the anchor itself) is discarded.
         logits = self.target.logits(h[:, 1:], self._draft_head)
-        if k == 1:  # the chain needs no probabilities: skip the softmax
-            logp, drafts = logits.max(-1, keepdim=True)
-            logp = torch.zeros_like(logp, dtype=torch.float32)
+        if k == 1:  # the chain needs no probabilities: skip the softmax (max, not bf16 argmax: see sampling.py)
+            drafts = logits.max(-1, keepdim=True).indices
+            logp = torch.zeros(drafts.shape, dtype=torch.float32, device=drafts.device)
         else:
             logp, drafts = logits.float().log_softmax(-1).topk(k, dim=-1)
         return (self._d2t[drafts] if self._d2t is not None else drafts), logp

@@ -145,14 +145,19 @@ def train_step_loss(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: torc
                            d2t_head=head, t2d=t2d)
 
 
-def frequent_tokens(shards: list[TokenShard], k: int, vocab_size: int) -> torch.Tensor:
-    """The k most frequent target ids among response tokens, ascending id order."""
+def token_counts(shards: list[TokenShard], vocab_size: int) -> np.ndarray:
+    """[vocab_size] how often each target id occurs among response tokens (what the drafter learns to propose)."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for s in shards:
         for i in range(len(s)):
             toks, plen = s.example(i)
             counts += np.bincount(toks[plen:], minlength=vocab_size)
-    top = np.argsort(-counts, kind="stable")[:k]
+    return counts
+
+
+def frequent_tokens(shards: list[TokenShard], k: int, vocab_size: int) -> torch.Tensor:
+    """The k most frequent target ids among response tokens, ascending id order."""
+    top = np.argsort(-token_counts(shards, vocab_size), kind="stable")[:k]
     return torch.from_numpy(np.sort(top))
 
 
