@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from dflashkit import DFlashEngine
+from dflashkit import DecodeConfig, DFlashEngine
 from dflashkit.bench import HUMANEVAL_WRAPPER
 from dflashkit.checkpoint import load_drafter
 from dflashkit.data import humaneval_prompts, load_shards, mtbench_questions
@@ -44,13 +44,13 @@ def main() -> int:
         variants.append(("phase 1 (879 steps), B=16", load_drafter(args.phase1), 16))
     for k in (16384, 8192):
         variants.append((f"bundled + draft vocab {k}, B=16", with_draft_vocab(bundled, frequent_tokens(shards, k, target.vocab_size)), 16))
-    ar_engine = DFlashEngine(target, None, tokenizer=tok)
+    ar_engine = DFlashEngine(target, None, tokenizer=tok, config=DecodeConfig())
     ar_engine.generate(prompts[:1], max_new_tokens=8)
     ar = [ar_engine.generate([p], max_new_tokens=args.max_new_tokens)[0] for p in prompts]
     ar_tps = statistics.median(g.stats.tokens_per_s for g in ar)
     rows = [{"variant": "autoregressive (block size 1)", "tau": 1.0, "tokens_per_s": round(ar_tps, 2), "speedup_vs_ar": 1.0}]
     for name, drafter, b in variants:
-        eng = DFlashEngine(target, drafter.to(target.dtype), tokenizer=tok)
+        eng = DFlashEngine(target, drafter.to(target.dtype), tokenizer=tok, config=DecodeConfig())
         eng.generate(prompts[:1], max_new_tokens=8, block_size=b)
         gens = [eng.generate([p], max_new_tokens=args.max_new_tokens, block_size=b)[0] for p in prompts]
         tps = statistics.median(g.stats.tokens_per_s for g in gens)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from dflashkit import DFlashEngine
+from dflashkit import DecodeConfig, DFlashEngine
 from dflashkit.bench import HUMANEVAL_WRAPPER
 from dflashkit.data import humaneval_prompts, mtbench_questions
 from dflashkit.loader import encode_chat, load_default_drafter, load_target
@@ -53,7 +53,7 @@ def forward_curve(dtype: str, reps: int = 15) -> dict:
 def decode(dtype: str, n_prompts: int, max_new: int) -> dict:
     target, tok = load_target(dtype=dtype)
     drafter, trained = load_default_drafter(target, tok)
-    eng = DFlashEngine(target, drafter, tokenizer=tok)
+    eng = DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig())
     sets = {
         "humaneval": [HUMANEVAL_WRAPPER.format(p["prompt"]) for p in humaneval_prompts()[:n_prompts]],
         "mt-bench": [q["turns"][0] for q in mtbench_questions()[:n_prompts]],

@@ -29,7 +29,7 @@ import json
 import sys
 from pathlib import Path
 
-from dflashkit import DFlashEngine
+from dflashkit import DecodeConfig, DFlashEngine
 from dflashkit.bench import calibrate_noise, is_near_tie, load_dataset, noise_summary, write_markdown
 from dflashkit.loader import encode_chat, load_default_drafter, load_target
 
@@ -72,7 +72,7 @@ def main() -> int:
                 if t64 is None:
                     t64, _ = load_target(dtype="float64")
                     d64, _ = load_default_drafter(t64, tok)
-                    e64 = DFlashEngine(t64, d64, tokenizer=tok)
+                    e64 = DFlashEngine(t64, d64, tokenizer=tok, config=DecodeConfig())
                 item = items[d["item"]]
                 history, off_item = [], sum(len(x) for x in items[: d["item"]])
                 for t in range(d["turn"]):  # earlier turns are equal: rebuild the AR history

@@ -10,7 +10,7 @@ import sys, time, torch
 torch.set_num_threads(2)
 from dflashkit.bench import load_dataset
 from dflashkit.loader import load_target, load_default_drafter, encode_chat
-from dflashkit.engine import DFlashEngine
+from dflashkit import DecodeConfig, DFlashEngine
 from dflashkit.lookup import LookupParams
 ds, n, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 configs = [c.split(",") for c in sys.argv[4].split()]
@@ -19,8 +19,9 @@ dr, _ = load_default_drafter(t, tok)
 engs = {}
 for c in configs:
     name, b, tree, lk, skip, pmin, per, dv = c[0], *map(int, c[1:5]), float(c[5]), int(c[6]), int(c[7])
-    engs[name] = (DFlashEngine(t, dr, tok, lookup=LookupParams(max_tokens=lk, skip_drafter_n=skip, tokens_per_n=per),
-                               tree=tree, tree_min_prob=pmin, draft_vocab=dv), b)
+    lookup = LookupParams(max_tokens=lk, skip_drafter_n=skip, tokens_per_n=per)
+    engs[name] = (DFlashEngine(t, dr, tok, config=DecodeConfig(lookup=lookup, tree=tree, tree_min_prob=pmin,
+                                                                draft_vocab=dv)), b)
 prompts = [encode_chat(tok, p[0]) for p in load_dataset(ds)[start:start + n]]
 for name, (e, b) in engs.items():
     e.generate([prompts[0]], max_new_tokens=16, block_size=b)

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from dflashkit import DFlashEngine  # noqa: E402
+from dflashkit import DecodeConfig, DFlashEngine  # noqa: E402
 from dflashkit.data import TokenShard, generate_responses, load_shards  # noqa: E402
 from dflashkit.loader import load_target  # noqa: E402
 from dflashkit.train import TrainConfig, train  # noqa: E402
@@ -108,7 +108,7 @@ def main() -> int:
         records = [r for r in records if str(r["id"]) not in have]
         report["kept_examples"], report["prompts_to_generate"] = len(have), len(records)
         log.info("kept %d conversations from %s; %d prompts left", len(have), args.data_in, len(records))
-    engine = DFlashEngine(target, None, tokenizer=tok)
+    engine = DFlashEngine(target, None, tokenizer=tok, config=DecodeConfig())
     gen_deadline = t0 + args.gen_seconds
     t_gen = time.time()
     for split in ("heldout", "train") if not args.skip_gen else ():

@@ -29,24 +29,28 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from dflashkit import DFlashEngine  # noqa: E402
+from dflashkit import DecodeConfig, DFlashEngine  # noqa: E402
 from dflashkit.bench import VLLMMethod, load_dataset, vllm_python  # noqa: E402
 from dflashkit.export import export_speculators, export_zlab  # noqa: E402
 from dflashkit.loader import BUNDLED_DRAFTER, encode_chat, load_default_drafter, load_target, resolve_target_dir  # noqa: E402
 
 
 class TracingEngine(DFlashEngine):
-    """Our engine, recording (anchor, drafts) of every drafting call (batch 1)."""
+    """Our engine (the plain DFlash block), recording (anchor, drafts) of every drafting call (batch 1)."""
 
     def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
+        super().__init__(*a, config=DecodeConfig(), **kw)
         self.trace: list = []
+        trace = self.trace
 
-    def _draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs, k=1):
-        drafts, logp = super()._draft(dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs, k)
-        for a, d in zip(anchor.tolist(), drafts[..., 0].tolist()):
-            self.trace.append([int(a), [int(x) for x in d]])
-        return drafts, logp
+        class Tracing(self.drafter_factory):
+            def draft(self, state, view, k=1):
+                drafts, logp = super().draft(state, view, k)
+                for a, d in zip(view.anchor.tolist(), drafts[..., 0].tolist()):
+                    trace.append([int(a), [int(x) for x in d]])
+                return drafts, logp
+
+        self.set_proposers(drafter=Tracing)
 
 
 def vllm_k_norm_fix(py: str) -> bool:

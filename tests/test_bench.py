@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from dflashkit import DFlashError
+from dflashkit import DecodeConfig, DFlashError, LookupParams
 from dflashkit.bench import (BenchConfig, Turn, aggregate, load_dataset, load_prompt_file, markdown,
                              near_tie_threshold, run_bench, write_report)
 
@@ -48,7 +48,7 @@ def test_prompt_file_and_speed_bench_dir(tmp_path):
 def test_metric_arithmetic():
     turns = [Turn([1] * 9, accepted=[3, 0, 1], new_tokens=9, ttft_s=0.1, decode_s=1.0),
              Turn([1] * 5, accepted=[0, 2], new_tokens=5, ttft_s=0.3, decode_s=1.0)]
-    r = aggregate(turns, block_size=4)
+    r = aggregate(turns, span=4)
     assert r["tau"] == pytest.approx((4 + 1 + 2 + 1 + 3) / 5)  # a + 1 per cycle: the bonus token counts
     assert r["acceptance"] == pytest.approx([3 / 5, 2 / 5, 1 / 5])  # cumulative: cycles accepting >= j+1 drafts
     assert 1 + sum(r["acceptance"]) == pytest.approx(r["tau"])
@@ -93,7 +93,7 @@ def test_near_tie_uses_the_measured_noise_bound():
     t = make_target("llama", torch.float64)
     prompt = [5, 9, 17]
     with torch.no_grad():
-        logits = t.model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        logits = t.reference_logits(torch.tensor([prompt]))[0, -1]
     top2 = logits.topk(2)
     gap = float(top2.values[0] - top2.values[1])
     a, b = [int(top2.indices[0])], [int(top2.indices[1])]
@@ -113,9 +113,9 @@ def test_near_tie_threshold():
 
 @pytest.mark.real
 def test_report_schema_on_the_real_target(tmp_path, monkeypatch):
-    import dflashkit.bench as bench
+    import dflashkit.bench.peers as peers
 
-    monkeypatch.setattr(bench, "vllm_python", lambda: None)  # as on a machine without scripts/vllm-env.sh
+    monkeypatch.setattr(peers, "vllm_python", lambda: None)  # as on a machine without scripts/vllm-env.sh
     cfg = BenchConfig(datasets=["humaneval", "mt-bench"], limit=1, max_new_tokens=6, block_sizes=[4],
                       methods=["ar", "dflash", "hf", "hf-lookup", "llamacpp", "vllm"], out=str(tmp_path), dtype="float32",
                       command="dflashkit bench (test)")
@@ -151,7 +151,8 @@ def test_report_schema_on_the_real_target(tmp_path, monkeypatch):
 def test_sweeps_block_size_temperature_and_batch(tmp_path):
     cfg = BenchConfig(datasets=["humaneval"], limit=2, max_new_tokens=6, block_sizes=[2, 4], temperatures=[1.0],
                       batch_sizes=[1, 2], methods=["ar", "dflash", "dflash-lookup", "lookup"], out=str(tmp_path),
-                      dtype="float32", lookup=4, lookup_block_sizes=[4])
+                      dtype="float32", lookup_block_sizes=[4],
+                      decode=DecodeConfig(lookup=LookupParams(max_tokens=4, skip_drafter_n=2)))
     report = write_report(run_bench(cfg), tmp_path)
     rows = report["results"]["humaneval"]
     plain = {"ar", "dflash-b2", "dflash-b4", "dflash-b4-lookup4", "lookup4"}

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import make_drafter, make_target
-from dflashkit import DFlashConfig, DFlashDrafter, DFlashEngine, DFlashError, default_target_layer_ids
+from dflashkit import DecodeConfig, DFlashConfig, DFlashDrafter, DFlashEngine, DFlashError, default_target_layer_ids
 from dflashkit.checkpoint import load_drafter, save_drafter
 
 
@@ -65,7 +65,7 @@ def test_published_layout_loads_unchanged(tmp_path, block_inside):
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in ref.state_dict().items()}, tmp_path / "model.safetensors")
     dr = load_drafter(tmp_path, dtype=torch.float64)
     assert dr.config.block_size == 16 and dr.config.target_layer_ids == [1, 3] and dr.config.mask_token_id == 3
-    eng = DFlashEngine(t, dr, eos_token_ids=[])
+    eng = DFlashEngine(t, dr, eos_token_ids=[], config=DecodeConfig())
     ar = eng.generate([[5, 6, 7]], max_new_tokens=20, block_size=1)
     assert eng.generate([[5, 6, 7]], max_new_tokens=20)[0].tokens == ar[0].tokens
 

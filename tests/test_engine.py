@@ -1,14 +1,15 @@
 """Lossless greedy decoding: speculative output == autoregressive output, token for token (float64)."""
 
 import random
-import types
 
 import pytest
 import torch
 
 from conftest import make_drafter, make_target
-from dflashkit import DFlashEngine, DFlashError
+from dflashkit import DecodeConfig, DFlashEngine, DFlashError
 from dflashkit.cache import PositionCache
+
+PLAIN = DecodeConfig()  # the plain DFlash block: the drafter's argmax chain, no lookup
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14] * 10, [4, 40, 41, 42, 43, 44, 45]]
 
@@ -17,19 +18,19 @@ def with_oracle(engine, reference, keep=0.75, seed=0):
     """Replace half-random drafts by the true continuation (prob `keep` per slot) so that blocks are
     partly accepted; the real drafter still runs (and writes its cache) underneath."""
     rng = random.Random(seed)
-    real = engine._draft
 
-    def draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs, k=1):
-        d, logp = real(dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs, k)
-        for r, (s, st) in enumerate(zip(seqs, start.tolist())):
-            full = reference[s.index]
-            for j in range(1, d.shape[1] + 1):
-                if st + j < len(full) and rng.random() < keep:
-                    # the truth at rank 0 (k = 1) or at one of the top 3 ranks (a tree must find it off the argmax)
-                    put_at_rank(d[r, j - 1], full[st + j], rng.randrange(min(k, 3)))
-        return d, logp
+    class Oracle(engine.drafter_factory):
+        def draft(self, state, view, k=1):
+            d, logp = super().draft(state, view, k)
+            for r, (s, st) in enumerate(zip(view.seqs, view.start.tolist())):
+                full = reference[s.index]
+                for j in range(1, d.shape[1] + 1):
+                    if st + j < len(full) and rng.random() < keep:
+                        # the truth at rank 0 (k = 1) or at one of the top 3 ranks (a tree must find it off the argmax)
+                        put_at_rank(d[r, j - 1], full[st + j], rng.randrange(min(k, 3)))
+            return d, logp
 
-    engine._draft = types.MethodType(draft, engine)
+    engine.set_proposers(drafter=Oracle)
     return engine
 
 
@@ -46,7 +47,7 @@ def reference_runs(engine, prompts, n):
 
 def test_block_size_one_equals_transformers_generate(arch):
     t = make_target(arch)
-    eng = DFlashEngine(t, eos_token_ids=[])
+    eng = DFlashEngine(t, eos_token_ids=[], config=PLAIN)
     for p, g in zip(PROMPTS, eng.generate(PROMPTS, max_new_tokens=24)):
         ids = torch.tensor([p])
         hf = t.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
@@ -58,7 +59,7 @@ def test_block_size_one_equals_transformers_generate(arch):
 @pytest.mark.parametrize("oracle", [False, True])
 def test_greedy_lossless_batch_and_single(arch, block_size, oracle):
     t = make_target(arch)
-    eng = DFlashEngine(t, make_drafter(t, block_size=block_size), eos_token_ids=[])
+    eng = DFlashEngine(t, make_drafter(t, block_size=block_size), eos_token_ids=[], config=PLAIN)
     ar, ref = reference_runs(eng, PROMPTS, 40)
     if oracle:
         with_oracle(eng, ref)
@@ -74,7 +75,7 @@ def test_greedy_lossless_batch_and_single(arch, block_size, oracle):
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_eos_and_max_new_tokens_inside_a_block(arch, block_size):
     t = make_target(arch)
-    eng = DFlashEngine(t, make_drafter(t, block_size=block_size), eos_token_ids=[])
+    eng = DFlashEngine(t, make_drafter(t, block_size=block_size), eos_token_ids=[], config=PLAIN)
     ar, ref = reference_runs(eng, PROMPTS, 40)
     with_oracle(eng, ref, keep=1.0)  # perfect drafts: every stop falls inside a long accepted block
     # max_new_tokens not a multiple of anything: the stop lands mid-block
@@ -102,7 +103,7 @@ class CharTokenizer:
 
 def test_stop_string_inside_a_block():
     t = make_target("llama")
-    eng = DFlashEngine(t, make_drafter(t, block_size=8), tokenizer=CharTokenizer(), eos_token_ids=[])
+    eng = DFlashEngine(t, make_drafter(t, block_size=8), tokenizer=CharTokenizer(), eos_token_ids=[], config=PLAIN)
     ar, ref = reference_runs(eng, PROMPTS[:1], 40)
     with_oracle(eng, ref, keep=1.0)
     text = CharTokenizer().decode(ar[0].tokens)
@@ -119,7 +120,7 @@ def test_caches_hold_exactly_the_committed_context(arch):
     at every draft call the draft cache slots [0, start) equal the drafter's K/V of fresh features."""
     t = make_target(arch)
     dr = make_drafter(t, block_size=4)
-    eng = DFlashEngine(t, dr, eos_token_ids=[])
+    eng = DFlashEngine(t, dr, eos_token_ids=[], config=PLAIN)
     ar, ref = reference_runs(eng, PROMPTS, 20)
     with_oracle(eng, ref, keep=0.7)
 
@@ -128,7 +129,7 @@ def test_caches_hold_exactly_the_committed_context(arch):
 
 
 def check_caches_while_decoding(eng, t, dr, prompts, max_new):
-    """Decode `prompts` with `eng` (whose `_draft` may already be an oracle), checking after every step that target
+    """Decode `prompts` with `eng` (whose drafter proposer may already be an oracle), checking after every step that target
     K/V slots [0, start) equal a fresh forward of the committed tokens, and at every draft call that draft cache
     slots [0, start) equal the drafter's K/V of fresh features. Returns (counts of checks, each step's outputs)."""
     def fresh(tokens):
@@ -137,22 +138,23 @@ def check_caches_while_decoding(eng, t, dr, prompts, max_new):
         _, feats = t.forward(torch.tensor([tokens]), pos, c)
         return c, dr.context_kv(dr.fuse(feats), pos)
 
-    oracle = eng._draft
     checked = {"draft": 0, "target": 0}
 
-    def draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs, k=1):
-        d = oracle(dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs, k)
-        for r, (s, st) in enumerate(zip(seqs, start.tolist())):
-            committed = s.prompt + s.generated
-            assert st == len(committed) - 1  # the anchor (last token) has no K/V yet
-            _, kv = fresh(committed[:st])
-            for layer, (k, v) in enumerate(kv):
-                torch.testing.assert_close(dcache.keys[layer][r, :, :st], k[0], rtol=1e-9, atol=1e-9)
-                torch.testing.assert_close(dcache.values[layer][r, :, :st], v[0], rtol=1e-9, atol=1e-9)
-            checked["draft"] += 1
-        return d
+    class Checker(eng.drafter_factory):  # wraps the oracle, if any
+        def draft(self, state, view, k=1):
+            d = super().draft(state, view, k)
+            dcache = state.cache
+            for r, (s, st) in enumerate(zip(view.seqs, view.start.tolist())):
+                committed = s.prompt + s.generated
+                assert st == len(committed) - 1  # the anchor (last token) has no K/V yet
+                _, kv = fresh(committed[:st])
+                for layer, (k, v) in enumerate(kv):
+                    torch.testing.assert_close(dcache.keys[layer][r, :, :st], k[0], rtol=1e-9, atol=1e-9)
+                    torch.testing.assert_close(dcache.values[layer][r, :, :st], v[0], rtol=1e-9, atol=1e-9)
+                checked["draft"] += 1
+            return d
 
-    eng._draft = types.MethodType(draft, eng)
+    eng.set_proposers(drafter=Checker)
     gen = eng.stream(prompts, max_new_tokens=max_new)
     steps = []
     for out in gen:
@@ -188,7 +190,7 @@ def test_reduced_draft_vocabulary_stays_exact():
     t = make_target("qwen3")
     dr = make_drafter(t, block_size=4, draft_vocab_size=40)
     dr.d2t.copy_(torch.arange(40) * 2 - torch.arange(40))  # draft id i -> target id 2i
-    eng = DFlashEngine(t, dr, eos_token_ids=[])
+    eng = DFlashEngine(t, dr, eos_token_ids=[], config=PLAIN)
     ar = eng.generate(PROMPTS, max_new_tokens=30, block_size=1)
     sp = eng.generate(PROMPTS, max_new_tokens=30)
     assert [g.tokens for g in sp] == [g.tokens for g in ar]
@@ -196,7 +198,7 @@ def test_reduced_draft_vocabulary_stays_exact():
 
 def test_bad_inputs_raise_clear_errors():
     t = make_target("llama")
-    eng = DFlashEngine(t, make_drafter(t), eos_token_ids=[])
+    eng = DFlashEngine(t, make_drafter(t), eos_token_ids=[], config=PLAIN)
     with pytest.raises(DFlashError, match="block size"):
         eng.generate(PROMPTS, block_size=0)
     with pytest.raises(DFlashError, match="context"):
@@ -204,13 +206,13 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(DFlashError, match="empty"):
         eng.generate([[]])
     with pytest.raises(DFlashError, match="needs a drafter"):
-        DFlashEngine(t, None, block_size=4)
+        DFlashEngine(t, None, config=DecodeConfig(block_size=4))
 
 
 def test_rows_finishing_at_different_times_in_a_big_batch():
     """8 rows with different max_new_tokens: finished rows first ride along frozen, then leave the batch."""
     t = make_target("qwen3")
-    eng = DFlashEngine(t, make_drafter(t, block_size=4), eos_token_ids=[])
+    eng = DFlashEngine(t, make_drafter(t, block_size=4), eos_token_ids=[], config=PLAIN)
     prompts = PROMPTS * 2
     limits = [3, 30, 5, 30, 30, 8, 30, 30]
     ar, ref = reference_runs(eng, prompts, 30)
@@ -222,13 +224,11 @@ def test_rows_finishing_at_different_times_in_a_big_batch():
 def test_sequences_join_and_leave_a_running_batch(arch):
     """Continuous batching: rows added between steps, and a cancelled row, leave every other row's output
     exactly what it is alone (float64, greedy, drafts partly accepted)."""
-    from dflashkit.engine import DecodeBatch
-
     t = make_target(arch)
-    eng = DFlashEngine(t, make_drafter(t, block_size=4), eos_token_ids=[])
+    eng = DFlashEngine(t, make_drafter(t, block_size=4), eos_token_ids=[], config=PLAIN)
     ar, ref = reference_runs(eng, PROMPTS, 24)
     with_oracle(eng, ref, keep=0.7)
-    batch = DecodeBatch(eng, 4, max_len=96)
+    batch = eng.new_batch(max_len=96)
     got = {i: [] for i in range(4)}
 
     def collect(outs):

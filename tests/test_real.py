@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from dflashkit import DFlashEngine
+from dflashkit import DecodeConfig, DFlashEngine
 from dflashkit.lookup import LookupParams
 from dflashkit.loader import convert_gguf, default_gguf, encode_chat, load_default_drafter, load_target, resolve_target_dir
 
@@ -22,7 +22,7 @@ PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
 def real():
     target, tok = load_target(dtype="float32")
     drafter, _ = load_default_drafter(target, tok)
-    return DFlashEngine(target, drafter, tokenizer=tok), tok
+    return DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig()), tok
 
 
 def test_conversion_is_reproducible_and_verified(tmp_path):
@@ -42,12 +42,12 @@ def test_greedy_speculative_matches_autoregressive_up_to_near_ties(real, capsys)
     ar = eng.generate(prompts, max_new_tokens=n, block_size=1)
     sp = eng.generate(prompts, max_new_tokens=n, block_size=8)
     # the same with an n-gram lookup branch beside the block (a draft tree)
-    hybrid = DFlashEngine(eng.target, eng.drafter, tokenizer=tok, lookup=LookupParams(max_tokens=8, skip_drafter_n=2))
+    hybrid = DFlashEngine(eng.target, eng.drafter, tokenizer=tok,
+                          config=DecodeConfig(lookup=LookupParams(max_tokens=8, skip_drafter_n=2)))
     sp_lookup = hybrid.generate(prompts, max_new_tokens=n, block_size=8)
     assert max(a for g in sp_lookup for a in g.stats.accepted) > 0
     # the CLI's default: a pruned drafter tree over the 16K most frequent ids + an adaptive lookup branch, B=16
-    tree = DFlashEngine(eng.target, eng.drafter, tokenizer=tok, tree=20, tree_min_prob=0.03, draft_vocab=16384,
-                        lookup=LookupParams(max_tokens=16, tokens_per_n=4, skip_drafter_n=3))
+    tree = DFlashEngine(eng.target, eng.drafter, tokenizer=tok)  # the default: DecodeConfig.recommended()
     sp_tree = tree.generate(prompts, max_new_tokens=n)
     assert sum(g.stats.tau for g in sp_tree) / len(sp_tree) > 1.5
     near_ties = 0
@@ -57,7 +57,7 @@ def test_greedy_speculative_matches_autoregressive_up_to_near_ties(real, capsys)
             continue
         i = next(k for k, (x, y) in enumerate(zip(a.tokens, s.tokens)) if x != y)
         with torch.no_grad():
-            logits = eng.target.model(input_ids=torch.tensor([p + a.tokens[:i]])).logits[0, -1]
+            logits = eng.target.reference_logits(torch.tensor([p + a.tokens[:i]]))[0, -1]
         top2 = logits.topk(2).values
         gap = float(top2[0] - top2[1])
         assert gap < 1e-3, f"divergence at token {i} with top-2 gap {gap} (not a near-tie)"
@@ -102,3 +102,24 @@ def test_prompt_longer_than_context(real):
     from dflashkit import DFlashError
     with pytest.raises(DFlashError, match="context"):
         eng.generate([[100] * 8200], max_new_tokens=8)
+
+
+def test_cli_data_generate_regenerates_responses_and_resumes(tmp_path):
+    """`dflashkit data generate` end to end on the real target (it once crashed on every call)."""
+    from dflashkit.data import load_shards
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "split": "heldout",
+                                           "messages": [{"role": "user", "content": p}]}) + "\n"
+                               for i, p in enumerate(PROMPTS)))
+    cmd = [sys.executable, "-m", "dflashkit.cli", "data", "generate", "--prompts", str(prompts), "--out",
+           str(tmp_path / "data"), "--split", "heldout", "--chunk-size", "2", "--max-new-tokens", "6",
+           "--dtype", "float32"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == {"split": "heldout", "chunks": 2}
+    shards = load_shards(tmp_path / "data", "heldout")
+    assert sum(len(s) for s in shards) == 3
+    first = (tmp_path / "data" / "heldout-00000.npz").stat().st_mtime_ns
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)  # finished chunks are kept
+    assert again.returncode == 0 and (tmp_path / "data" / "heldout-00000.npz").stat().st_mtime_ns == first

@@ -7,15 +7,13 @@ lookup branch) x 4 positions = 12 tests at alpha = 1e-3 each, so the file raises
 <= 1.2 %.
 """
 
-import types
-
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from dflashkit import DFlashEngine, SamplingParams, Target
+from dflashkit import DecodeConfig, DFlashEngine, SamplingParams, Target
 from dflashkit.sampling import Sampler
 
 from conftest import make_drafter
@@ -44,7 +42,7 @@ def exact_marginals(t: Target, params: SamplingParams):
     for _ in range(N_TOKENS):
         ids = torch.tensor([PROMPT + p for p in prefixes])
         with torch.no_grad():
-            logits = t.model(input_ids=ids).logits[:, -1:]
+            logits = t.reference_logits(ids)[:, -1:]
         probs = torch.cat([sampler.probs(logits[i:i + 1])[0, 0][None] for i in range(len(prefixes))]).double()
         joint = weights[:, None] * probs  # [n_prefixes, V]
         marg.append(joint.sum(0))
@@ -59,20 +57,22 @@ def greedy_oracle(engine, t: Target):
     gives the target's k best at each slot of that chain, with their log-probs: the tree then branches where a
     sample often leaves the argmax."""
 
-    def draft(self, dcache, feats, feat_pos, anchor, blk_pos, start, ctx_len, seqs, k=1):
-        drafts = torch.zeros((len(seqs), blk_pos.shape[1] - 1, k), dtype=torch.long)
-        logp = torch.zeros(drafts.shape)
-        texts = [s.prompt + s.generated for s in seqs]
-        for n in set(map(len, texts)):  # rows are ragged: one batch per committed length
-            rows = [i for i, x in enumerate(texts) if len(x) == n]
-            ctx = torch.tensor([texts[i] for i in rows])
-            for j in range(drafts.shape[1]):
-                lp, top = t.model(input_ids=ctx).logits[:, -1].float().log_softmax(-1).topk(k, dim=-1)
-                drafts[rows, j], logp[rows, j] = top, lp
-                ctx = torch.cat([ctx, top[:, :1]], dim=1)
-        return drafts, logp
+    class Oracle(engine.drafter_factory):
+        def draft(self, state, view, k=1):
+            seqs = view.seqs
+            drafts = torch.zeros((len(seqs), self.block_size - 1, k), dtype=torch.long)
+            logp = torch.zeros(drafts.shape)
+            texts = [s.prompt + s.generated for s in seqs]
+            for n in set(map(len, texts)):  # rows are ragged: one batch per committed length
+                rows = [i for i, x in enumerate(texts) if len(x) == n]
+                ctx = torch.tensor([texts[i] for i in rows])
+                for j in range(drafts.shape[1]):
+                    lp, top = t.reference_logits(ctx)[:, -1].float().log_softmax(-1).topk(k, dim=-1)
+                    drafts[rows, j], logp[rows, j] = top, lp
+                    ctx = torch.cat([ctx, top[:, :1]], dim=1)
+            return drafts, logp
 
-    engine._draft = types.MethodType(draft, engine)
+    engine.set_proposers(drafter=Oracle)
 
 
 def assert_sampling_matches_target(eng: DFlashEngine, t: Target, params: SamplingParams, seed: int) -> None:
@@ -103,7 +103,7 @@ def assert_sampling_matches_target(eng: DFlashEngine, t: Target, params: Samplin
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8)])
 def test_speculative_sampling_matches_target_distribution(params):
     t = small_target()
-    eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3), eos_token_ids=[])
+    eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3), eos_token_ids=[], config=DecodeConfig())
     greedy_oracle(eng, t)
     assert_sampling_matches_target(eng, t, params, seed=1234)
 
@@ -118,7 +118,7 @@ def test_top_k_top_p_filtering():
 
 def test_seeded_rows_are_reproducible_in_any_batch():
     t = small_target()
-    eng = DFlashEngine(t, eos_token_ids=[])
+    eng = DFlashEngine(t, eos_token_ids=[], config=DecodeConfig())
     a = eng.generate([PROMPT], sampling=SamplingParams(temperature=1.0, seed=7), max_new_tokens=12)[0].tokens
     mixed = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=7)]
     b = eng.generate([PROMPT, PROMPT], sampling=mixed, max_new_tokens=12)[1].tokens
@@ -139,7 +139,7 @@ def lookup_oracle(t: Target, k: int):
     slot 1 or slot 2 (a live branch off the anchor or off draft 1)."""
     memo = {}
 
-    def fake(tokens, params):
+    def fake(tokens):
         key = tuple(tokens)
         if key not in memo:
             memo[key] = chain(key)
@@ -149,7 +149,7 @@ def lookup_oracle(t: Target, k: int):
         ctx = torch.tensor([list(tokens)])
         out = []
         for j in range(k):
-            ranked = t.model(input_ids=ctx).logits[0, -1].argsort(descending=True)
+            ranked = t.reference_logits(ctx)[0, -1].argsort(descending=True)
             nxt = ranked[1] if j + 1 == (len(tokens) - 1) % 3 else ranked[0]
             out.append(int(nxt))
             ctx = torch.cat([ctx, nxt.view(1, 1)], dim=1)
@@ -157,15 +157,20 @@ def lookup_oracle(t: Target, k: int):
     return fake
 
 
-def test_speculative_sampling_with_a_lookup_branch_matches_target_distribution(monkeypatch):
-    from dflashkit import engine as engine_mod
+def test_speculative_sampling_with_a_lookup_branch_matches_target_distribution():
     from dflashkit.lookup import LookupParams
 
     t = small_target()
     eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3), eos_token_ids=[],
-                       lookup=LookupParams(max_tokens=3))
+                       config=DecodeConfig(lookup=LookupParams(max_tokens=3)))
     greedy_oracle(eng, t)
-    monkeypatch.setattr(engine_mod, "propose", lookup_oracle(t, 3))
+    fake = lookup_oracle(t, 3)
+
+    class Oracle(eng.lookup_factory):
+        def suggest(self, tokens):
+            return fake(tokens)
+
+    eng.set_proposers(lookup=Oracle)
     assert_sampling_matches_target(eng, t, SamplingParams(temperature=1.0), seed=4321)
 
 
@@ -173,6 +178,7 @@ def test_speculative_sampling_with_a_drafter_tree_matches_target_distribution():
     """A tree of the target's 2nd/3rd choices beside its argmax chain: a sample that leaves the argmax is often
     still accepted, down a side branch."""
     t = small_target()
-    eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3), eos_token_ids=[], tree=6)
+    eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3), eos_token_ids=[],
+                       config=DecodeConfig(tree=6))
     greedy_oracle(eng, t)
     assert_sampling_matches_target(eng, t, SamplingParams(temperature=1.0), seed=2468)

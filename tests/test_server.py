@@ -14,28 +14,6 @@ PROMPTS = ["What is the capital of France?", "Name three colors.", "Write a haik
            "What is 2 + 2?", "Say hello in Spanish.", "List two fruits.", "What is Python?", "Define gravity briefly."]
 
 
-@pytest.fixture(scope="module")
-def server():
-    from dflashkit import DFlashEngine
-    from dflashkit.loader import load_default_drafter, load_target
-    from dflashkit.server import build_app, serve_in_thread
-
-    target, tok = load_target(dtype="float32")
-    drafter, _ = load_default_drafter(target, tok)
-    engine = DFlashEngine(target, drafter, tokenizer=tok, block_size=8)
-    app = build_app(engine, tok, "smollm2-test", block_size=8, max_batch=8, max_queue=16, max_len=1024)
-    srv, th, url = serve_in_thread(app)
-    yield {"url": url, "engine": engine, "tok": tok, "app": app}
-    srv.should_exit = True
-    th.join(30)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    from openai import OpenAI
-    return OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
 def alone(server, prompt, n):
     from dflashkit.loader import encode_chat
     eng, tok = server["engine"], server["tok"]
@@ -148,14 +126,14 @@ def test_fuzzed_request_bodies_never_yield_5xx(server):
 
 
 def test_full_queue_gets_429_and_shutdown_drains_in_flight_requests():
-    from dflashkit import DFlashEngine
+    from dflashkit import DecodeConfig, DFlashEngine
     from dflashkit.loader import load_default_drafter, load_target
     from dflashkit.server import build_app, serve_in_thread
 
     target, tok = load_target(dtype="float32")
     drafter, _ = load_default_drafter(target, tok)
-    app = build_app(DFlashEngine(target, drafter, tokenizer=tok), tok, "t", block_size=4, max_batch=1, max_queue=1,
-                    max_len=512)
+    app = build_app(DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig(block_size=4)), tok, "t",
+                    max_batch=1, max_queue=1, max_len=512)
     srv, th, url = serve_in_thread(app)
     server = {"url": url}
     body = json.dumps({"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 120,
@@ -224,16 +202,17 @@ def test_lookup_branch_under_continuous_batching():
     """A server whose engine verifies draft trees (a pruned drafter tree of up to 6 nodes over the drafter's 16K most
     frequent ids, block 4, + a 6-token lookup branch): clients that arrive while others are mid-generation (rows join
     and leave the running batch) still get exactly their text alone."""
-    from dflashkit import DFlashEngine
+    from dflashkit import DecodeConfig, DFlashEngine
     from dflashkit.loader import encode_chat, load_default_drafter, load_target
     from dflashkit.lookup import LookupParams
     from dflashkit.server import build_app, serve_in_thread
 
     target, tok = load_target(dtype="float32")
     drafter, _ = load_default_drafter(target, tok)
-    engine = DFlashEngine(target, drafter, tokenizer=tok, block_size=4, tree=6, tree_min_prob=0.03, draft_vocab=16384,
-                          lookup=LookupParams(max_tokens=6, skip_drafter_n=2, tokens_per_n=3))
-    app = build_app(engine, tok, "t", block_size=4, max_batch=4, max_queue=16, max_len=1024)
+    engine = DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig(
+        block_size=4, tree=6, tree_min_prob=0.03, draft_vocab=16384,
+        lookup=LookupParams(max_tokens=6, skip_drafter_n=2, tokens_per_n=3)))
+    app = build_app(engine, tok, "t", max_batch=4, max_queue=16, max_len=1024)
     srv, th, url = serve_in_thread(app)
     try:
         def ask(i):

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from conftest import make_drafter, make_target
-from dflashkit import DFlashEngine, DFlashError
-from dflashkit import engine as engine_mod
+from dflashkit import DecodeConfig, DFlashEngine, DFlashError
 from dflashkit.lookup import LookupParams, propose
 from dflashkit.tree import DraftNodes, accept, ancestors, build, chain_nodes, topk_tree, verify_mask
 from test_engine import PROMPTS, check_caches_while_decoding, reference_runs, with_oracle
@@ -91,25 +90,27 @@ def test_bad_lookup_settings_raise_clear_errors():
             LookupParams(**kw)
 
 
-def with_lookup_oracle(monkeypatch, reference, keep=0.7, seed=0):
+def with_lookup_oracle(eng, reference, keep=0.7, seed=0):
     """Lookup proposals: often the true continuation (so the branch wins), sometimes random; the real
     `propose` still runs so that its n (the skip rule) is real."""
     rng = random.Random(seed)
 
-    def fake(tokens, params):
-        prop, n = propose(tokens, params)
-        for idx, full in reference.items():
-            if full[: len(tokens)] == list(tokens):
-                tail = full[len(tokens): len(tokens) + params.max_tokens]
-                break
-        else:
-            return prop, n
-        out = []
-        for x in tail:
-            out.append(x if rng.random() < keep else rng.randrange(4, 90))
-        return out, max(n, 1)
+    class Oracle(eng.lookup_factory):
+        def suggest(self, tokens):
+            params = self.params
+            prop, n = propose(tokens, params)
+            for idx, full in reference.items():
+                if full[: len(tokens)] == list(tokens):
+                    tail = full[len(tokens): len(tokens) + params.max_tokens]
+                    break
+            else:
+                return prop, n
+            out = []
+            for x in tail:
+                out.append(x if rng.random() < keep else rng.randrange(4, 90))
+            return out, max(n, 1)
 
-    monkeypatch.setattr(engine_mod, "propose", fake)
+    eng.set_proposers(lookup=Oracle)
 
 
 @pytest.mark.parametrize("block_size,lookup,skip", [(1, 5, 0), (4, 6, 0), (8, 3, 0), (4, 6, 2)])
@@ -117,11 +118,12 @@ def with_lookup_oracle(monkeypatch, reference, keep=0.7, seed=0):
 def test_greedy_lossless_with_a_lookup_branch(arch, block_size, lookup, skip, oracle, monkeypatch):
     t_ = make_target(arch)
     dr = make_drafter(t_, block_size=max(block_size, 2))
-    plain = DFlashEngine(t_, dr, eos_token_ids=[])
+    plain = DFlashEngine(t_, dr, eos_token_ids=[], config=DecodeConfig())
     ar, ref = reference_runs(plain, PROMPTS, 40)
-    eng = DFlashEngine(t_, dr, eos_token_ids=[], lookup=LookupParams(max_tokens=lookup, skip_drafter_n=skip))
+    eng = DFlashEngine(t_, dr, eos_token_ids=[],
+                       config=DecodeConfig(lookup=LookupParams(max_tokens=lookup, skip_drafter_n=skip)))
     if oracle:
-        with_lookup_oracle(monkeypatch, ref)
+        with_lookup_oracle(eng, ref)
         if block_size > 1:
             with_oracle(eng, ref, keep=0.5, seed=1)
     batch = eng.generate(PROMPTS, max_new_tokens=40, block_size=block_size)
@@ -138,9 +140,9 @@ def test_tree_steps_keep_both_caches_exact(arch, monkeypatch):
     (an accepted branch was moved to slot == position), and at every draft call so do the drafter's."""
     t_ = make_target(arch)
     dr = make_drafter(t_, block_size=4)
-    eng = DFlashEngine(t_, dr, eos_token_ids=[], lookup=LookupParams(max_tokens=5))
+    eng = DFlashEngine(t_, dr, eos_token_ids=[], config=DecodeConfig(lookup=LookupParams(max_tokens=5)))
     ar, ref = reference_runs(eng, PROMPTS, 24)
-    with_lookup_oracle(monkeypatch, ref, keep=0.8)
+    with_lookup_oracle(eng, ref, keep=0.8)
     with_oracle(eng, ref, keep=0.4, seed=2)
     checked, steps = check_caches_while_decoding(eng, t_, dr, PROMPTS, 24)
     # steps that committed more than the chain (3 drafts + bonus) can give: an accepted branch was moved
@@ -236,13 +238,14 @@ def test_a_lookup_branch_merges_into_a_drafter_tree_path():
 def test_greedy_lossless_with_a_drafter_tree(arch, block_size, n, lookup, p_min, oracle, monkeypatch):
     t_ = make_target(arch)
     dr = make_drafter(t_, block_size=block_size)
-    plain = DFlashEngine(t_, dr, eos_token_ids=[])
+    plain = DFlashEngine(t_, dr, eos_token_ids=[], config=DecodeConfig())
     ar, ref = reference_runs(plain, PROMPTS, 40)
-    eng = DFlashEngine(t_, dr, eos_token_ids=[], lookup=LookupParams(max_tokens=lookup), tree=n, tree_min_prob=p_min)
+    eng = DFlashEngine(t_, dr, eos_token_ids=[],
+                       config=DecodeConfig(lookup=LookupParams(max_tokens=lookup), tree=n, tree_min_prob=p_min))
     if oracle:
         with_oracle(eng, ref, keep=0.8, seed=3)
         if lookup:
-            with_lookup_oracle(monkeypatch, ref, keep=0.5)
+            with_lookup_oracle(eng, ref, keep=0.5)
     batch = eng.generate(PROMPTS, max_new_tokens=40)
     assert [g.tokens for g in batch] == [g.tokens for g in ar]
     assert eng.generate(PROMPTS[1:2], max_new_tokens=40)[0].tokens == ar[1].tokens
@@ -255,7 +258,7 @@ def test_greedy_lossless_with_a_drafter_tree(arch, block_size, n, lookup, p_min,
 def test_drafter_tree_steps_keep_both_caches_exact(arch):
     t_ = make_target(arch)
     dr = make_drafter(t_, block_size=8)
-    eng = DFlashEngine(t_, dr, eos_token_ids=[], tree=8)
+    eng = DFlashEngine(t_, dr, eos_token_ids=[], config=DecodeConfig(tree=8))
     ar, ref = reference_runs(eng, PROMPTS, 24)
     with_oracle(eng, ref, keep=0.8, seed=4)
     checked, steps = check_caches_while_decoding(eng, t_, dr, PROMPTS, 24)
@@ -266,10 +269,10 @@ def test_bad_tree_size_raises_a_clear_error():
     t_ = make_target("llama")
     for bad in (-1, 2.5, True):
         with pytest.raises(DFlashError, match="tree size"):
-            DFlashEngine(t_, make_drafter(t_), tree=bad)
+            DFlashEngine(t_, make_drafter(t_), config=DecodeConfig(tree=bad))
     for bad in (-0.1, 1.0):
         with pytest.raises(DFlashError, match="tree_min_prob"):
-            DFlashEngine(t_, make_drafter(t_), tree=4, tree_min_prob=bad)
+            DFlashEngine(t_, make_drafter(t_), config=DecodeConfig(tree=4, tree_min_prob=bad))
 
 
 def test_draft_vocab_drafts_over_the_most_frequent_ids_and_stays_exact(tmp_path):
@@ -281,18 +284,18 @@ def test_draft_vocab_drafts_over_the_most_frequent_ids_and_stays_exact(tmp_path)
     save_token_ranking(d, ranking, "test")
     dr = load_drafter(d, dtype=torch.float64)
     assert dr.token_ranking == ranking
-    ar = DFlashEngine(t_, dr, eos_token_ids=[]).generate(PROMPTS, max_new_tokens=24, block_size=1)
+    ar = DFlashEngine(t_, dr, eos_token_ids=[], config=DecodeConfig()).generate(PROMPTS, max_new_tokens=24, block_size=1)
     for tree in (0, 5):
-        eng = DFlashEngine(t_, dr, eos_token_ids=[], tree=tree, draft_vocab=20)
-        assert eng._d2t.tolist() == sorted(ranking[:20])
+        eng = DFlashEngine(t_, dr, eos_token_ids=[], config=DecodeConfig(tree=tree, draft_vocab=20))
+        assert eng.drafter_proposer(eng.config).d2t.tolist() == sorted(ranking[:20])
         seen = []
-        real = eng._draft
 
-        def spy(*a, **kw):
-            toks, logp = real(*a, **kw)
-            seen.append(toks)
-            return toks, logp
-        eng._draft = spy
+        class Spy(eng.drafter_factory):
+            def draft(self, *a, **kw):
+                toks, logp = super().draft(*a, **kw)
+                seen.append(toks)
+                return toks, logp
+        eng.set_proposers(drafter=Spy)
         assert [g.tokens for g in eng.generate(PROMPTS, max_new_tokens=24)] == [g.tokens for g in ar]
         assert seen and all(int(x.min()) >= t_.vocab_size - 20 for x in seen)  # proposals come from the 20 ids only
 
@@ -302,17 +305,17 @@ def test_draft_vocab_errors_name_the_remedy(tmp_path):
 
     t_ = make_target("llama")
     with pytest.raises(DFlashError, match="token_ranking.json"):
-        DFlashEngine(t_, make_drafter(t_), draft_vocab=8)  # no ranking
+        DFlashEngine(t_, make_drafter(t_), config=DecodeConfig(draft_vocab=8))  # no ranking
     with pytest.raises(DFlashError, match="own reduced draft vocabulary"):
         dr = make_drafter(t_, draft_vocab_size=16)
         dr.token_ranking = list(range(30))
-        DFlashEngine(t_, dr, draft_vocab=8)
+        DFlashEngine(t_, dr, config=DecodeConfig(draft_vocab=8))
     dr = make_drafter(t_)
     dr.token_ranking = list(range(30))
     with pytest.raises(DFlashError, match="exceeds"):
-        DFlashEngine(t_, dr, draft_vocab=31)
+        DFlashEngine(t_, dr, config=DecodeConfig(draft_vocab=31))
     with pytest.raises(DFlashError, match="draft_vocab must be"):
-        DFlashEngine(t_, dr, draft_vocab=-2)
+        DFlashEngine(t_, dr, config=DecodeConfig(draft_vocab=-2))
     d = save_drafter(make_drafter(t_), tmp_path / "d")
     (d / RANKING).write_text("{not json")
     with pytest.raises(DFlashError, match="corrupt"):

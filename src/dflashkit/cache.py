@@ -14,9 +14,10 @@ import torch
 
 
 class PositionCache:
-    """Preallocated K/V, one [B, kvh, S, hd] pair per target layer, indexed by absolute position.
+    """Preallocated K/V, one [B, kvh, S, hd] pair per layer, indexed by absolute position.
 
-    Duck-types the part of transformers' `Cache` API that attention layers call (`update`).
+    Its public methods are the whole cache API a backend and the decoding loop use: `write` (a forward's new
+    K/V), `select` / `extend` (rows leave / join the batch) and `move` (an accepted tree path to slot == position).
     """
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
@@ -26,18 +27,10 @@ class PositionCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
         self._rows = torch.arange(batch, device=device)
-        self._write_pos: torch.Tensor | None = None  # [B, Q] set by Target.forward
-        self._kv_len = 0
 
     @property
     def batch_size(self) -> int:
         return self.keys[0].shape[0]
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        # Called by each HF attention layer: key_states [B, kvh, Q, hd] for the tokens at self._write_pos [B, Q].
-        self.write(layer_idx, key_states, value_states, self._write_pos)
-        n = self._kv_len
-        return self.keys[layer_idx][:, :, :n], self.values[layer_idx][:, :, :n]
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` (a finished sequence leaves the batch)."""
@@ -50,14 +43,6 @@ class PositionCache:
         self.keys = [torch.cat([a, b]) for a, b in zip(self.keys, other.keys)]
         self.values = [torch.cat([a, b]) for a, b in zip(self.values, other.values)]
         self._rows = torch.arange(self.keys[0].shape[0], device=self._rows.device)
-
-    # transformers may probe these on a cache object; answer consistently.
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._kv_len
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """k, v: [B, kvh, T, hd] rows for absolute `positions` [B, T]."""

@@ -59,7 +59,8 @@ def read_config(path: str | os.PathLike) -> DFlashConfig:
     try:
         d = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
-        raise DFlashError(f"{cfg_file} is not valid JSON ({e}); the checkpoint is corrupt, re-export or re-download it.") from None
+        raise DFlashError(f"{cfg_file} is not valid JSON ({e}); the checkpoint is corrupt, re-export or "
+                          "re-download it.") from None
     return DFlashConfig.from_hf_dict(d)
 
 
@@ -94,7 +95,8 @@ def load_token_ranking(path: str | os.PathLike) -> list[int] | None:
         raise DFlashError(f"{f} is corrupt ({e}); delete it (it only speeds up drafting) or rewrite it.") from None
 
 
-def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DFlashDrafter:
+def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> DFlashDrafter:
     """Load a Z Lab-format drafter directory. Missing or unexpected tensors are errors, never silent."""
     p = Path(path)
     if not p.is_dir():
@@ -102,13 +104,15 @@ def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32, de
     cfg = read_config(p)
     files = sorted(p.glob("*.safetensors"))
     if not files:
-        raise DFlashError(f"no *.safetensors weights in {p}; the checkpoint is incomplete, re-export or re-download it.")
+        raise DFlashError(f"no *.safetensors weights in {p}; the checkpoint is incomplete, re-export or "
+                          "re-download it.")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
             state.update(load_file(str(f)))
         except (SafetensorError, OSError, ValueError) as e:
-            raise DFlashError(f"cannot read {f} ({e}); the file is corrupt or truncated, re-export or re-download it.") from None
+            raise DFlashError(f"cannot read {f} ({e}); the file is corrupt or truncated, re-export or "
+                              "re-download it.") from None
     if "d2t" in state and cfg.draft_vocab_size is None:
         cfg = cfg.replace(draft_vocab_size=state["d2t"].numel())
     drafter = DFlashDrafter(cfg)
@@ -117,13 +121,15 @@ def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32, de
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         raise DFlashError(
-            f"drafter weights in {p} do not match its config: missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
-            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}. The checkpoint is not a DFlash drafter "
+            f"drafter weights in {p} do not match its config: missing {missing[:8]}"
+            f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+            f"{'...' if len(unexpected) > 8 else ''}. The checkpoint is not a DFlash drafter "
             "for this config; re-export it with `dflashkit export --format zlab`."
         )
     bad = [(k, tuple(state[k].shape), tuple(v.shape)) for k, v in expected.items() if state[k].shape != v.shape]
     if bad:
-        raise DFlashError(f"tensor shapes do not match config.json: {bad[:4]} (name, file, config); the checkpoint is corrupt.")
+        raise DFlashError(f"tensor shapes do not match config.json: {bad[:4]} (name, file, config); the checkpoint "
+                          "is corrupt.")
     drafter.load_state_dict(state)
     drafter.token_ranking = load_token_ranking(p)
     return drafter.to(device=device, dtype=dtype)

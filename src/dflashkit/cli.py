@@ -12,79 +12,94 @@ from .errors import DFlashError
 log = logging.getLogger("dflashkit")
 
 
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None, help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default=None, help="Z Lab-format drafter directory (default: the bundled drafter)")
+def _add_target_flags(p: argparse.ArgumentParser, drafter: bool = True) -> None:
+    p.add_argument("--target", default=None,
+                   help="HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    if drafter:
+        p.add_argument("--drafter", default=None, help="Z Lab-format drafter directory (default: the bundled drafter)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--lookup", type=int, default=16,
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """Target, drafter and the drafting flags; their defaults are `DecodeConfig.recommended()`'s."""
+    from .decode_config import DecodeConfig
+
+    rec = DecodeConfig.recommended()
+    _add_target_flags(p)
+    p.add_argument("--lookup", type=int, default=rec.lookup.max_tokens,
                    help="also verify an n-gram lookup branch of up to N tokens copied from earlier in the sequence, "
                         "beside the DFlash block (a draft tree; output stays exact). 0 = off. bench: the lookup length "
                         "of its dflash-lookup and lookup methods (its ar and dflash rows never use lookup)")
-    p.add_argument("--tree", type=int, default=20,
+    p.add_argument("--tree", type=int, default=rec.tree,
                    help="draft a TREE: the drafter's N most likely paths through its top tokens per block slot, "
                         "verified in one pass (output stays exact); 0 = the plain chain of argmaxes. bench: the tree "
                         "of its dflash-lookup and dflash-tree methods")
-    p.add_argument("--tree-min-prob", type=float, default=0.03,
+    p.add_argument("--tree-min-prob", type=float, default=rec.tree_min_prob,
                    help="with --tree: also drop the paths the drafter gives less than this probability (the verify "
                         "pass then holds only the likely nodes; 0 = keep all N)")
-    p.add_argument("--draft-vocab", type=int, default=None,
+    p.add_argument("--draft-vocab", type=int, default=rec.draft_vocab,
                    help="draft over the drafter's N most frequent training ids only (needs its token_ranking.json; "
                         "fewer LM-head rows to read; verification keeps the full vocabulary). 0 = all ids; "
                         "default: 16384 if the drafter has a token ranking, else 0")
-    p.add_argument("--lookup-per-n", type=int, default=4,
+    p.add_argument("--lookup-per-n", type=int, default=rec.lookup.tokens_per_n,
                    help="propose at most this many lookup tokens per matched suffix token (0 = always --lookup)")
-    p.add_argument("--lookup-skip", type=int, default=3,
-                   help="skip the drafter's forward when the lookup matched a suffix of at least this many tokens (0 = never)")
+    p.add_argument("--lookup-skip", type=int, default=rec.lookup.skip_drafter_n,
+                   help="skip the drafter's forward when the lookup matched a suffix of at least this many tokens "
+                        "(0 = never)")
+
+
+def decode_config(args, block_size: bool = True):
+    """The `DecodeConfig` the drafting flags describe (validated; block size from --block-size if given and
+    `block_size`: bench takes a list of block sizes and sets each row's itself)."""
+    from .decode_config import DecodeConfig
+    from .lookup import LookupParams
+
+    lookup = LookupParams(max_tokens=args.lookup, skip_drafter_n=args.lookup_skip, tokens_per_n=args.lookup_per_n)
+    return DecodeConfig(block_size=getattr(args, "block_size", None) if block_size else None, tree=args.tree,
+                        tree_min_prob=args.tree_min_prob, draft_vocab=args.draft_vocab, lookup=lookup)
+
+
+def load_target_and_drafter(args):
+    """(target, tokenizer, drafter or None, drafter_trained) from the target flags (`loader.load_models`)."""
+    from .loader import load_models as load
+
+    return load(args.target, getattr(args, "drafter", None), dtype=args.dtype, device=args.device)
 
 
 def load_models(args):
-    """(engine, tokenizer, drafter_trained) from the common model flags."""
-    import torch
-
-    from .checkpoint import default_draft_vocab, load_drafter
+    """(engine, tokenizer, drafter_trained) from the model and drafting flags."""
     from .engine import DFlashEngine
-    from .loader import load_default_drafter, load_target, parse_dtype
-    from .lookup import LookupParams
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise DFlashError(f"--device {args.device} but this torch build sees no CUDA device; use --device cpu.")
-    target, tok = load_target(args.target, dtype=args.dtype, device=args.device)
-    if args.drafter:
-        drafter, trained = load_drafter(args.drafter, dtype=parse_dtype(args.dtype), device=args.device), True
-    elif args.target is None:
-        drafter, trained = load_default_drafter(target, tok)
-    else:  # a custom target: the bundled drafter is SmolLM2's, so only --block-size 1 works without --drafter
-        drafter, trained = None, False
-    lookup = LookupParams(max_tokens=args.lookup, skip_drafter_n=args.lookup_skip, tokens_per_n=args.lookup_per_n)
-    return (DFlashEngine(target, drafter, tokenizer=tok, lookup=lookup, tree=args.tree, tree_min_prob=args.tree_min_prob,
-                         draft_vocab=default_draft_vocab(drafter, args.draft_vocab)), tok, trained)
+    config = decode_config(args)  # flag errors before the weights load
+    target, tok, drafter, trained = load_target_and_drafter(args)
+    return DFlashEngine(target, drafter, tokenizer=tok, config=config), tok, trained
 
 
 def cmd_generate(args) -> int:
+    from .decode_config import DecodeConfig
     from .loader import encode_chat
-    from .lookup import LookupParams
     from .sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    if args.block_size is not None and args.block_size < 1:
-        raise DFlashError(f"--block-size must be >= 1 (got {args.block_size}); 1 means plain autoregressive decoding.")
     engine, tok, trained = load_models(args)
     ids = encode_chat(tok, args.prompt)
-    main = args.block_size if args.block_size is not None else engine.block_size
+    main = engine.block_size
     kw = dict(sampling=params, max_new_tokens=args.max_new_tokens, stop=args.stop)
-    g = engine.generate([ids], block_size=main, **kw)[0]
+    g = engine.generate([ids], **kw)[0]
     # The comparison is plain AR: block size 1 and no lookup branch.
-    ar = (engine.generate([ids], block_size=1, lookup=LookupParams(), **kw)[0]
-          if args.compare and (main != 1 or engine.lookup.enabled) else None)
+    ar = (engine.generate([ids], config=DecodeConfig.autoregressive(), **kw)[0]
+          if args.compare and engine.config.speculative else None)
     stats = g.stats.to_dict()
     stats["finish_reason"] = g.finish_reason
-    stats["lookup"] = engine.lookup.max_tokens
-    stats["tree"] = engine.tree
+    stats["block_size"] = main
+    stats["lookup"] = engine.config.lookup.max_tokens
+    stats["tree"] = engine.config.tree
     stats["drafter_trained"] = trained
     if ar is not None:
         stats["ar_tokens_per_s"] = round(ar.stats.tokens_per_s, 3)
-        stats["speedup_vs_ar"] = round(g.stats.tokens_per_s / ar.stats.tokens_per_s, 3) if ar.stats.tokens_per_s else None
+        ar_tps = ar.stats.tokens_per_s
+        stats["speedup_vs_ar"] = round(g.stats.tokens_per_s / ar_tps, 3) if ar_tps else None
         stats["identical_to_ar"] = ar.tokens == g.tokens
         if not stats["identical_to_ar"]:
             from .bench import first_divergence
@@ -95,13 +110,16 @@ def cmd_generate(args) -> int:
     print(g.text)
     print()
     if not trained and main > 1:
-        print("[note] the drafter is UNTRAINED (initialised from a fixed seed): output is exact, acceptance is near zero.")
-    print(f"[stats] block size {main}, drafter tree {stats['tree'] or 'off'}, lookup branch {stats['lookup'] or 'off'}, "
+        print("[note] the drafter is UNTRAINED (initialised from a fixed seed): output is exact, acceptance is "
+              "near zero.")
+    print(f"[stats] block size {main}, drafter tree {stats['tree'] or 'off'}, "
+          f"lookup branch {stats['lookup'] or 'off'}, "
           f"{stats['new_tokens']} tokens, "
           f"tau {stats['tau']:.2f} tokens/pass, "
           f"{stats['tokens_per_s']:.1f} tok/s, TTFT {stats['ttft_ms']:.0f} ms")
     print(f"[stats] cumulative acceptance per position: {[round(x, 2) for x in stats['acceptance']]}")
-    print(f"[stats] accepted-length histogram (1..{stats['block_size']} tokens per pass): {stats['accepted_length_histogram']}")
+    print(f"[stats] accepted-length histogram (1..{stats['max_tokens_per_pass']} tokens per pass): "
+          f"{stats['accepted_length_histogram']}")
     if "ar_tokens_per_s" in stats:
         print(f"[stats] autoregressive (block size 1, no lookup, same engine): {stats['ar_tokens_per_s']:.1f} tok/s -> "
               f"speedup {stats['speedup_vs_ar']}x; identical output: {stats['identical_to_ar']}")
@@ -125,10 +143,14 @@ def cmd_data_prompts(args) -> int:
 
 def cmd_data_generate(args) -> int:
     from .data import generate_responses, read_prompts
+    from .decode_config import DecodeConfig
+    from .engine import DFlashEngine
+    from .loader import load_target
     from .sampling import SamplingParams
 
-    args.drafter = None
-    engine, tok, _ = load_models(args)
+    # Plain AR over big batches: the data is the target's own output, and speculation does not pay at batch 64.
+    target, tok = load_target(args.target, dtype=args.dtype, device=args.device)
+    engine = DFlashEngine(target, None, tokenizer=tok, config=DecodeConfig.autoregressive())
     records = read_prompts(args.prompts)
     for split in args.split:
         paths = generate_responses(engine, tok, records, args.out, split, chunk_size=args.chunk_size,
@@ -150,6 +172,7 @@ def cmd_train(args) -> int:
 def cmd_bench(args) -> int:
     from .bench import BenchConfig, markdown, run_bench, write_report
 
+    decode = decode_config(args, block_size=False)
     methods = [m.strip() for m in ",".join(args.methods).split(",") if m.strip()]
     if not args.dataset and not args.prompts:
         raise DFlashError("give --dataset NAME (repeatable) or --prompts FILE.jsonl.")
@@ -161,9 +184,7 @@ def cmd_bench(args) -> int:
                       temperature=temps[0], temperatures=temps[1:], batch_sizes=args.batch_size or [],
                       methods=methods, out=args.out,
                       target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
-                      speed_bench_dir=args.speed_bench_dir, noise_prompts=args.noise_prompts,
-                      lookup=args.lookup, lookup_skip=args.lookup_skip, tree=args.tree, tree_min_prob=args.tree_min_prob,
-                      lookup_per_n=args.lookup_per_n, draft_vocab=args.draft_vocab,
+                      speed_bench_dir=args.speed_bench_dir, noise_prompts=args.noise_prompts, decode=decode,
                       lookup_block_sizes=args.lookup_block_size or [], command="dflashkit " + " ".join(sys.argv[1:]))
     report = write_report(run_bench(cfg), args.out)
     print(markdown(report))
@@ -173,16 +194,22 @@ def cmd_bench(args) -> int:
 def cmd_serve(args) -> int:
     import signal
 
-    from .server import build_app, serve_in_thread
+    from .openai_api import Limits
+    from .server import build_app, check_port, serve_in_thread
 
+    for flag, v in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue), ("--max-len", args.max_len),
+                    ("--max-body-bytes", args.max_body_bytes), ("--max-messages", args.max_messages),
+                    ("--max-n", args.max_n)):
+        if v < 1:
+            raise DFlashError(f"{flag} must be >= 1 (got {v}).")
+    check_port(args.host, args.port)  # before the weights load: a busy port fails in a second, not after 10
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_messages=args.max_messages, max_n=args.max_n)
     engine, tok, trained = load_models(args)
     if tok is None:
         raise DFlashError("the server needs the target's tokenizer; give a target directory that has one.")
-    block = args.block_size if args.block_size is not None else engine.block_size
-    engine.block_size = engine._check_block_size(block)
     name = args.model_name or ("smollm2-135m-instruct-dflash" if args.target is None else str(args.target))
-    app = build_app(engine, tok, name, block, max_batch=args.max_batch, max_queue=args.max_queue, max_len=args.max_len,
-                    engine_thread=False)
+    app = build_app(engine, tok, name, max_batch=args.max_batch, max_queue=args.max_queue, max_len=args.max_len,
+                    engine_thread=False, limits=limits, api_key=args.api_key)
     # HTTP in a thread, the engine loop on this (main) thread, which loaded the model: one OpenMP thread team
     # (see Scheduler.run). SIGINT/SIGTERM stop uvicorn, whose shutdown drains the scheduler; run() then returns.
     srv, th, url = serve_in_thread(app, host=args.host, port=args.port)
@@ -192,8 +219,9 @@ def cmd_serve(args) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    log.info("serving %s (block size %d, lookup %d, drafter %s) on %s", name, block, engine.lookup.max_tokens,
-             "trained" if trained else "UNTRAINED", url)
+    c = engine.config
+    log.info("serving %s (block size %d, tree %d, lookup %d, drafter %s) on %s", name, c.block_size, c.tree,
+             c.lookup.max_tokens, "trained" if trained else "UNTRAINED", url)
     app.state.scheduler.run()
     th.join(60)
     return 0
@@ -203,14 +231,14 @@ def cmd_export(args) -> int:
     from .export import export_speculators, export_zlab
     from .loader import parse_dtype, resolve_target_dir
 
-    engine, tok, trained = load_models(args)
-    if engine.drafter is None:
+    target, tok, drafter, trained = load_target_and_drafter(args)
+    if drafter is None:
         raise DFlashError("nothing to export: give --drafter DIR (the bundled drafter is for the default target).")
     dtype = parse_dtype(args.export_dtype)
     if args.format == "zlab":
-        out = export_zlab(engine.drafter, args.out, dtype)
+        out = export_zlab(drafter, args.out, dtype)
     else:
-        out = export_speculators(engine.drafter, engine.target, str(resolve_target_dir(args.target)), args.out, dtype)
+        out = export_speculators(drafter, target, str(resolve_target_dir(args.target)), args.out, dtype)
     print(json.dumps({"format": args.format, "out": str(out), "drafter_trained": trained}))
     return 0
 
@@ -219,10 +247,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflashkit", description="DFlash block-diffusion speculative decoding.")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = ap.add_subparsers(dest="command", required=True)
+    _generate_and_data_parsers(sub)
+    _bench_and_serve_parsers(sub)
+    _export_and_train_parsers(sub)
+    return ap
+
+
+def _generate_and_data_parsers(sub) -> None:
     g = sub.add_parser("generate", help="answer one prompt (chat template applied)")
     g.add_argument("--prompt", required=True)
     _add_model_flags(g)
-    g.add_argument("--block-size", type=int, default=None, help="tokens per block; 1 = autoregressive (default: the drafter's)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per block; 1 = autoregressive (default: the drafter's)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -253,9 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--top-p", type=float, default=1.0)
     dg.set_defaults(func=cmd_data_generate)
 
+
+def _bench_and_serve_parsers(sub) -> None:
     b = sub.add_parser("bench", help="tau and speed vs autoregressive decoding and the peers")
     b.add_argument("--dataset", action="append", default=None,
-                   help="humaneval | mt-bench | mt-bench-t1 (first turns) | sharegpt-heldout | math | speed-bench (repeatable)")
+                   help="humaneval | mt-bench | mt-bench-t1 (first turns) | sharegpt-heldout | math | speed-bench "
+                        "(repeatable)")
     b.add_argument("--prompts", default=None, help='JSONL, one {"prompt": ...} or {"messages": [...]} per line')
     b.add_argument("--limit", type=int, default=None)
     b.add_argument("--max-new-tokens", type=int, default=256)
@@ -263,13 +302,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, action="append", default=None,
                    help="repeatable; the first runs every method, later ones add ar/dflash rows named m@T<t>")
     b.add_argument("--noise-prompts", type=int, default=8,
-                   help="AR outputs on which the near-tie bound of mismatches_vs_ar is measured (block vs one-token rounding)")
+                   help="AR outputs on which the near-tie bound of mismatches_vs_ar is measured (block vs "
+                        "one-token rounding)")
     b.add_argument("--batch-size", type=int, action="append", default=None,
                    help="repeatable: throughput sweep of ar/dflash with N prompts decoded together (first turns)")
     b.add_argument("--methods", action="append", default=None,
-                   help="comma list: ar,dflash,dflash-lookup,dflash-tree,lookup,hf,hf-lookup,llamacpp,zlab,vllm,vllm-dflash")
+                   help="comma list: ar,dflash,dflash-lookup,dflash-tree,lookup,hf,hf-lookup,llamacpp,zlab,vllm,"
+                        "vllm-dflash")
     b.add_argument("--lookup-block-size", type=int, action="append", default=None,
-                   help="repeatable: DFlash block sizes of the dflash-lookup and dflash-tree methods (default: --block-size)")
+                   help="repeatable: DFlash block sizes of the dflash-lookup and dflash-tree methods "
+                        "(default: --block-size)")
     b.add_argument("--out", default="bench/results/latest")
     b.add_argument("--speed-bench-dir", default=None)
     _add_model_flags(b)
@@ -279,24 +321,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(sv)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--block-size", type=int, default=None)
+    sv.add_argument("--block-size", type=int, default=None, help="tokens per block (default: the drafter's)")
     sv.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
     sv.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     sv.add_argument("--max-len", type=int, default=2048, help="context per sequence (prompt + max_tokens)")
-    sv.add_argument("--model-name", default=None)
+    sv.add_argument("--model-name", default=None, help="the model id clients ask for (default: a name for the target)")
+    sv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: open)")
+    sv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get a 413")
+    sv.add_argument("--max-messages", type=int, default=256, help="most chat messages in one request")
+    sv.add_argument("--max-n", type=int, default=8, help="most choices (`n`) in one request")
     sv.set_defaults(func=cmd_serve)
 
+
+def _export_and_train_parsers(sub) -> None:
     ex = sub.add_parser("export", help="write the drafter in the Z Lab or vLLM speculators layout")
     ex.add_argument("--format", required=True, choices=["zlab", "speculators"])
     ex.add_argument("--out", required=True)
     ex.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    _add_model_flags(ex)
+    _add_target_flags(ex)
     ex.set_defaults(func=cmd_export, dtype="float32")
 
     t = sub.add_parser("train", help="train a drafter from a recipe file")
     t.add_argument("--config", required=True, help="JSON recipe (every TrainConfig field)")
     t.set_defaults(func=cmd_train)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:

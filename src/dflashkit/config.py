@@ -17,7 +17,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     """Z Lab's default taps: evenly from decoder layer 1 to layer N-3 (one tap per draft layer).
 
     Ids are 0-based decoder-layer indices; the tapped feature is the OUTPUT of that layer
-    (HF `hidden_states[id + 1]`), see `target.Target`.
+    (HF `hidden_states[id + 1]`), see `backends.hf.HFTarget`.
     """
     n, k = num_target_layers, num_draft_layers
     if k == 1:
@@ -96,10 +96,12 @@ class DFlashConfig:
             rope_theta = rope.get("rope_theta", 1_000_000.0)
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type")) or rope.get("rope_type", "default")
         if rope_type != "default":
-            raise DFlashError(f"rope type {rope_type!r} is not supported by dflashkit yet; use a drafter with default RoPE.")
+            raise DFlashError(f"rope type {rope_type!r} is not supported by dflashkit yet; use a drafter with "
+                              "default RoPE.")
         layer_types = d.get("layer_types") or []
         if any(t != "full_attention" for t in layer_types) or d.get("use_sliding_window") or dc.get("use_swa"):
-            raise DFlashError("sliding-window draft layers are not supported by dflashkit yet; use a full-attention drafter.")
+            raise DFlashError("sliding-window draft layers are not supported by dflashkit yet; use a full-attention "
+                              "drafter.")
         heads = d["num_attention_heads"]
         return cls(
             hidden_size=d["hidden_size"],

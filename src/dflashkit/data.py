@@ -104,7 +104,8 @@ def build_prompts(held_out_fraction: float = 0.02, user_file: str | None = None)
             try:
                 raw.append({"id": f"user-{k}", **json.loads(line)})
             except json.JSONDecodeError as e:
-                raise DFlashError(f"{user_file} line {k + 1} is not JSON ({e}); give one JSON object per line.") from None
+                raise DFlashError(f"{user_file} line {k + 1} is not JSON ({e}); give one JSON object per "
+                                  "line.") from None
     else:
         raw = load_sharegpt()
     bench = benchmark_shingles()

@@ -42,7 +42,8 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     at t, block slot j at anchor + j). Re-basing them silently ruins acceptance. Computed in float32
     like HF's rotary module, so a Z Lab drafter run by transformers sees the same angles.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    even = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
+    inv_freq = 1.0 / (theta ** (even / head_dim))
     freqs = positions.float()[..., None] * inv_freq  # [B, T, hd/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]

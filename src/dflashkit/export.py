@@ -87,7 +87,7 @@ def export_speculators(drafter: DFlashDrafter, target, target_name: str, out: st
         raise DFlashError("the drafter taps the target's last layer, which the speculators layout cannot express; "
                           "export it with --format zlab.")
     tensors = _state(drafter, dtype)
-    arch = list(getattr(target.model.config, "architectures", None) or [type(target.model).__name__])
+    arch = [target.architecture]
     cfg = {
         "architectures": ["DFlashSpeculator"],
         "speculators_model_type": "dflash",

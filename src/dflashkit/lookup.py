@@ -37,9 +37,11 @@ class LookupParams:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             raise DFlashError(f"lookup length must be an integer >= 0 (got {self.max_tokens}); 0 turns lookup off.")
         if not 1 <= self.min_n <= self.max_n:
-            raise DFlashError(f"lookup n-gram sizes need 1 <= min_n <= max_n (got min_n={self.min_n}, max_n={self.max_n}).")
+            raise DFlashError(f"lookup n-gram sizes need 1 <= min_n <= max_n (got min_n={self.min_n}, "
+                              f"max_n={self.max_n}).")
         if self.tokens_per_n < 0:
-            raise DFlashError(f"tokens_per_n must be >= 0 (got {self.tokens_per_n}); 0 proposes max_tokens whatever the match.")
+            raise DFlashError(f"tokens_per_n must be >= 0 (got {self.tokens_per_n}); 0 proposes max_tokens "
+                              "whatever the match.")
         if self.skip_drafter_n < 0:
             raise DFlashError(f"skip_drafter_n must be >= 0 (got {self.skip_drafter_n}); 0 means always draft.")
 

@@ -15,6 +15,12 @@ import torch
 from .errors import DFlashError
 
 
+# Bounds that keep every field representable on the device: torch generators take 64-bit seeds, and top_k
+# becomes an int64 tensor (any k above the vocabulary size means "off").
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+MAX_TOP_K = 2 ** 31 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -28,8 +34,12 @@ class SamplingParams:
             raise DFlashError(f"temperature must be a finite number >= 0 (got {t}); use 0 for greedy decoding.")
         if not isinstance(p, (int, float)) or not 0 < p <= 1:
             raise DFlashError(f"top_p must be in (0, 1] (got {p}); use 1 to disable nucleus sampling.")
-        if not isinstance(k, int) or k < 0:
-            raise DFlashError(f"top_k must be an integer >= 0 (got {k}); use 0 to disable top-k.")
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP_K:
+            raise DFlashError(f"top_k must be an integer in [0, {MAX_TOP_K}] (got {k}); use 0 to disable top-k.")
+        sd = self.seed
+        if sd is not None and (not isinstance(sd, int) or isinstance(sd, bool) or not SEED_MIN <= sd <= SEED_MAX):
+            raise DFlashError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (got {sd}); omit it for a "
+                              "random draw.")
 
     @property
     def greedy(self) -> bool:
@@ -48,7 +58,9 @@ class Sampler:
         ps = self.params
         self.all_greedy = all(p.greedy for p in ps)
         self.greedy = torch.tensor([p.greedy for p in ps], device=self.device)
-        self.temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in ps], device=self.device)
+        # Floored at 1e-30: a positive temperature that float32 would round to 0 must not divide 0 by 0.
+        self.temperature = torch.tensor([max(p.temperature, 1e-30) if not p.greedy else 1.0 for p in ps],
+                                        device=self.device)
         self.top_p = torch.tensor([p.top_p for p in ps], device=self.device)
         self.top_k = torch.tensor([p.top_k for p in ps], device=self.device)
         self.filtered = any(p.top_p < 1 or p.top_k > 0 for p in ps)
@@ -68,7 +80,10 @@ class Sampler:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [B, Q, V] -> the target's sampling distribution [B, Q, V] (float32) for sampled rows."""
-        x = logits.float() / self.temperature[:, None, None]
+        # Shift by the row maximum first: a tiny temperature (1e-45) would otherwise overflow logits / T to inf and
+        # the softmax to NaN. Shifted, the top token stays at 0 and the others go to -inf: the greedy limit.
+        x = logits.float()
+        x = (x - x.amax(-1, keepdim=True)) / self.temperature[:, None, None]
         if self.filtered:
             sorted_x, order = x.sort(dim=-1, descending=True)
             rank = torch.arange(x.shape[-1], device=x.device)
@@ -78,6 +93,7 @@ class Sampler:
             sp = sorted_x.masked_fill(drop, -math.inf).softmax(-1)
             # Nucleus: drop a token when the mass BEFORE it already reaches top_p (the top token always stays).
             drop = drop | ((sp.cumsum(-1) - sp) >= self.top_p[:, None, None])
+            drop[..., 0] = False  # the top token always stays, however small top_p is (1e-300 rounds to 0 here)
             sorted_x = sorted_x.masked_fill(drop, -math.inf)
             x = torch.full_like(x, -math.inf).scatter(-1, order, sorted_x)
         return x.softmax(-1)

@@ -1,16 +1,44 @@
-"""Per-request generation statistics: tau, cumulative per-position acceptance, histogram, speed."""
+"""Acceptance arithmetic, defined once (the engine, the bench and the server all use these), and per-request stats.
+
+Per verify cycle a row accepts a drafted tokens (0 .. span-1) and commits a + 1 (the bonus included).
+- tau: mean tokens per verify pass = (passes + accepted) / passes; 1.0 when there was no pass (nothing drafted).
+- acceptance[j]: cumulative per-position acceptance, the share of cycles accepting >= j + 1 drafts
+  (1 + sum(acceptance) == tau).
+- histogram[L-1]: cycles that committed L tokens (1 .. span).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 
+def tau_from_counts(passes: int, accepted: int) -> float:
+    """Tokens per target pass from counters: `passes` verify cycles that accepted `accepted` drafts in all."""
+    return (passes + accepted) / passes if passes else 1.0
+
+
+def tau(accepted: list[int]) -> float:
+    return tau_from_counts(len(accepted), sum(accepted))
+
+
+def acceptance(accepted: list[int], span: int) -> list[float]:
+    n = len(accepted)
+    return [sum(a > j for a in accepted) / n for j in range(span - 1)] if n else []
+
+
+def histogram(accepted: list[int], span: int) -> list[int]:
+    h = [0] * span
+    for a in accepted:
+        h[a] += 1
+    return h
+
+
 @dataclass
 class GenerationStats:
-    block_size: int
+    span: int  # the most tokens one target pass can commit: 1 + the deepest draft position (block or tree)
     prompt_tokens: int = 0
     new_tokens: int = 0
-    # one entry per verify cycle: accepted drafts a (0..block_size-1); a + 1 tokens came from that pass
+    # one entry per verify cycle: accepted drafts a (0..span-1); a + 1 tokens came from that pass
     accepted: list[int] = field(default_factory=list)
     ttft_s: float = 0.0  # request start -> first token (prefill + first choice)
     decode_s: float = 0.0  # first token -> last token
@@ -22,24 +50,15 @@ class GenerationStats:
     @property
     def tau(self) -> float:
         """Mean tokens per verify pass, bonus included (1.0 for plain decoding)."""
-        return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 0.0
+        return tau(self.accepted)
 
     @property
     def acceptance(self) -> list[float]:
-        """Cumulative per-position acceptance: [j] = share of cycles whose first j+1 drafts were all accepted.
-
-        1 + sum(acceptance) == tau.
-        """
-        n = len(self.accepted)
-        return [sum(a > j for a in self.accepted) / n if n else 0.0 for j in range(self.block_size - 1)]
+        return acceptance(self.accepted, self.span)
 
     @property
     def histogram(self) -> list[int]:
-        """[L-1] = number of cycles with acceptance length L (1..block_size), bonus included."""
-        h = [0] * self.block_size
-        for a in self.accepted:
-            h[a] += 1
-        return h
+        return histogram(self.accepted, self.span)
 
     @property
     def tokens_per_s(self) -> float:
@@ -52,7 +71,7 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         return {
-            "block_size": self.block_size,
+            "max_tokens_per_pass": self.span,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "target_passes": self.target_passes,

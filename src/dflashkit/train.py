@@ -244,17 +244,12 @@ def build_drafter(cfg: TrainConfig, target, tokenizer) -> DFlashDrafter:
     return DFlashDrafter(dc).init_weights(cfg.seed)
 
 
-def train(cfg: TrainConfig, target=None, tokenizer=None) -> DFlashDrafter:
-    """Run (or resume) the recipe; returns the trained drafter. `cfg.out_dir` holds `drafter/` (Z Lab format),
-    `checkpoint.pt` (resumable state), `train_log.jsonl` and `recipe.json`."""
+def _prepare(cfg: TrainConfig, target, tokenizer, device):
+    """(target, drafter on device, train shards, reduced-vocabulary head or None) for the recipe."""
     from .loader import load_target
 
-    world, rank, device = _setup_distributed(cfg)
-    torch.manual_seed(cfg.seed)
-    out = Path(cfg.out_dir)
     if target is None:
         target, tokenizer = load_target(cfg.target, dtype=cfg.target_dtype, device=str(device))
-    ckpt = out / "checkpoint.pt"
     drafter = build_drafter(cfg, target, tokenizer)
     train_shards = load_shards(Path(cfg.data_dir), "train")
     if cfg.draft_vocab_size and drafter.config.draft_vocab_size != cfg.draft_vocab_size:
@@ -267,40 +262,61 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> DFlashDrafter:
         t2d = torch.full((target.vocab_size,), -1, dtype=torch.long, device=device)
         t2d[d2t] = torch.arange(d2t.numel(), device=device)
         vocab = (target.lm_head_weight[d2t], t2d)
+    return target, drafter, train_shards, vocab
+
+
+def _resume(drafter: DFlashDrafter, opt, ckpt: Path, device) -> int:
+    """Load checkpoint.pt if there is one; returns the step to continue from."""
+    if not ckpt.exists():
+        return 0
+    state = torch.load(ckpt, map_location=device, weights_only=False)
+    drafter.load_state_dict(state["drafter"])
+    opt.load_state_dict(state["optimizer"])
+    log.info("resumed from %s at step %d", ckpt, state["step"])
+    return state["step"]
+
+
+def _open_logs(cfg: TrainConfig, out: Path, rank: int):
+    """(tensorboard writer or None, train_log.jsonl handle or None); rank 0 also writes recipe.json."""
+    if rank != 0:
+        return None, None
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recipe.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+    writer = None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(str(out / "tb"))
+    except Exception:  # tensorboard is optional
+        writer = None
+    return writer, open(out / "train_log.jsonl", "a")
+
+
+def train(cfg: TrainConfig, target=None, tokenizer=None) -> DFlashDrafter:
+    """Run (or resume) the recipe; returns the trained drafter. `cfg.out_dir` holds `drafter/` (Z Lab format),
+    `checkpoint.pt` (resumable state), `train_log.jsonl` and `recipe.json`."""
+    from tqdm import tqdm
+
+    world, rank, device = _setup_distributed(cfg)
+    torch.manual_seed(cfg.seed)
+    out = Path(cfg.out_dir)
+    target, drafter, train_shards, vocab = _prepare(cfg, target, tokenizer, device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    step = 0
-    if ckpt.exists():
-        state = torch.load(ckpt, map_location=device, weights_only=False)
-        drafter.load_state_dict(state["drafter"])
-        opt.load_state_dict(state["optimizer"])
-        step = state["step"]
-        log.info("resumed from %s at step %d", ckpt, step)
+    step = _resume(drafter, opt, out / "checkpoint.pt", device)
     model = drafter
     if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
+        model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda"
+                                                          else None)
     train_batches = Batches(train_shards, cfg.max_len, cfg.seed)
     try:
         eval_batches = Batches(load_shards(Path(cfg.data_dir), "heldout"), cfg.max_len, cfg.seed)
     except DFlashError:
         eval_batches = None
-    dtype = torch.bfloat16
 
     def autocast():
-        return torch.autocast(device.type, dtype=dtype, enabled=cfg.bf16)
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
 
-    writer = None
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "recipe.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-            writer = SummaryWriter(str(out / "tb"))
-        except Exception:  # tensorboard is optional
-            writer = None
-    logf = open(out / "train_log.jsonl", "a") if rank == 0 else None
+    writer, logf = _open_logs(cfg, out, rank)
     t_start = time.time()
-    from tqdm import tqdm
-
     bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=rank != 0)
     drafter.train()
     while step < cfg.steps:
@@ -326,13 +342,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> DFlashDrafter:
                    "elapsed_s": round(time.time() - t_start, 1)}
             if eval_batches is not None and cfg.eval_batches > 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
                 rec.update(evaluate(model, target, eval_batches, cfg, autocast, device, vocab))
-            logf.write(json.dumps(rec) + "\n")
-            logf.flush()
-            bar.set_postfix(loss=rec["loss"], acc1=rec["acc1"])
-            if writer:
-                for k, v in rec.items():
-                    if isinstance(v, (int, float)):
-                        writer.add_scalar(k, v, step)
+            _write_log(rec, logf, writer, bar, step)
         out_of_time = cfg.time_limit_s is not None and time.time() - t_start > cfg.time_limit_s
         if rank == 0 and (step % cfg.save_every == 0 or step == cfg.steps or out_of_time):
             save_checkpoint(drafter, opt, step, out)
@@ -345,6 +355,16 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> DFlashDrafter:
     if world > 1:
         torch.distributed.barrier()
     return drafter
+
+
+def _write_log(rec: dict, logf, writer, bar, step: int) -> None:
+    logf.write(json.dumps(rec) + "\n")
+    logf.flush()
+    bar.set_postfix(loss=rec["loss"], acc1=rec["acc1"])
+    if writer:
+        for k, v in rec.items():
+            if isinstance(v, (int, float)):
+                writer.add_scalar(k, v, step)
 
 
 def save_checkpoint(drafter: DFlashDrafter, opt, step: int, out: Path) -> None:

@@ -19,6 +19,12 @@ tokens. Why duplicates must die: two sibling nodes with the same token would car
 target samples of the same distribution, and keeping the luckier one would bias sampling. (Likewise the
 tree's shape must never depend on the target's samples; it depends on the drafter and the lookup only.)
 
+Terms: the anchor is the last committed token (no target K/V yet); the target's choice at a node is its own
+token for the next position (argmax at T=0, a sample at T>0); the accepted depth a counts drafted tokens on
+the path; the bonus is the choice at the path's end (always emitted), so a step commits a + 1 tokens (`stats.py`).
+With a chain and an argmax draft this equals rejection sampling: d is kept w.p. p(d), and on a mismatch the
+bonus is a draw from p with d removed.
+
 After acceptance, the path's K/V (and the drafter's context features) are moved to slot == position,
 the invariant `cache.py` relies on.
 """

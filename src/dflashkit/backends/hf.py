@@ -1,10 +1,9 @@
-"""The target adapter: the ONE seam between the decoding loop and the target LLM.
+"""The Hugging Face backend: `HFTarget` implements `TargetModel` (backends/__init__.py) for any HF causal LM.
 
-`Target.forward(ids, positions, cache)` runs any HF `AutoModelForCausalLM` decoder over a block of
-tokens at explicit absolute positions, writes their K/V into a position-indexed cache, and returns
-the final hidden states plus the tapped layer outputs the drafter needs. A faster implementation
-(static shapes, fused projections, compiled graphs) can replace this class without touching
-`engine.py`, as long as it keeps these methods.
+`HFTarget.forward(ids, positions, cache)` runs an `AutoModelForCausalLM` decoder over a block of tokens at
+explicit absolute positions, writes their K/V into a position-indexed cache, and returns the final hidden
+states plus the tapped layer outputs the drafter needs. It is the reference backend and the fallback for
+any architecture; a faster backend implements the same protocol.
 
 Position-indexed cache (gpt-fast style): slot s of a sequence holds the K/V of its token at absolute
 position s. A forward writes slots `positions` and every query at position p attends to slots <= p.
@@ -22,15 +21,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import PositionCache
-from .errors import DFlashError
+from ..cache import PositionCache
+from ..errors import DFlashError
 
 
 def _layer_output(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-class Target:
+class _HFCacheView:
+    """What HF attention layers call on a cache (`update`), mapped onto a `PositionCache` for one forward:
+    each layer's new K/V go to `slots` [B, Q], and the layer reads slots [0, kv_len)."""
+
+    def __init__(self, cache: PositionCache, slots: torch.Tensor, kv_len: int):
+        self.cache, self.slots, self.kv_len = cache, slots, kv_len
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # key_states: [B, kvh, Q, hd] for the tokens at self.slots [B, Q]
+        self.cache.write(layer_idx, key_states, value_states, self.slots)
+        return self.cache.keys[layer_idx][:, :, :self.kv_len], self.cache.values[layer_idx][:, :, :self.kv_len]
+
+    # transformers may probe these on a cache object; answer consistently.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.kv_len
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+class HFTarget:
     """Wraps an HF causal LM (`model.model` = decoder, `model.lm_head` = head).
 
     tap_ids: 0-based decoder-layer ids whose OUTPUT feeds the drafter. Why output-of-layer: HF's
@@ -75,6 +95,10 @@ class Target:
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.model.config, "architectures", None) or [type(self.model).__name__])[0]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: [B, T] -> [B, T, H], through the target's own embedding module (incl. any scaling, e.g. Gemma)."""
@@ -127,7 +151,8 @@ class Target:
         return PositionCache(self.num_layers, batch, self.num_kv_heads, max_len, self.head_dim, self.dtype, self.device)
 
     def _mask(self, positions: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
-        # positions: [B, Q] -> [B, 1, Q, kv_len] bool: slot s visible to the query at p iff s <= p (and within the window).
+        # positions: [B, Q] -> [B, 1, Q, kv_len] bool: slot s visible to the query at p iff s <= p (and within the
+        # window).
         slots = torch.arange(kv_len, device=positions.device)
         p = positions[:, None, :, None]
         m = slots <= p
@@ -152,7 +177,6 @@ class Target:
         kv_len = int(slots.max()) + 1 if kv_len is None else kv_len
         if kv_len > cache.max_len:
             raise DFlashError(f"position {kv_len - 1} exceeds the cache ({cache.max_len}); allocate a longer cache.")
-        cache._write_pos, cache._kv_len = slots, kv_len
         if visible is None:
             full = self._mask(positions, kv_len, None)
             window = self._mask(positions, kv_len, self.sliding_window) if self._sliding else None
@@ -167,9 +191,27 @@ class Target:
         self._capture, self._taps = taps, {}
         try:
             out = self.decoder(input_ids=ids, attention_mask=mask, position_ids=positions,
-                               use_cache=True, **{self._cache_kw: cache})
+                               use_cache=True, **{self._cache_kw: _HFCacheView(cache, slots, kv_len)})
         finally:
             self._capture = False
         feats = torch.cat([self._taps[i] for i in self.tap_ids], dim=-1) if taps and self.tap_ids else None
         self._taps = {}
         return out.last_hidden_state, feats
+
+    @torch.no_grad()
+    def reference_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+    @torch.no_grad()
+    def hf_generate(self, ids: list[int], max_new_tokens: int, eos: int | None, sampling=None,
+                    prompt_lookup: int | None = None) -> list[int]:
+        """transformers' own `generate` (the `hf` / `hf-lookup` bench peers): the new token ids."""
+        x = torch.tensor([ids], device=self.device)
+        kw = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos if eos is not None else 0,
+                  do_sample=sampling is not None and not sampling.greedy)
+        if kw["do_sample"]:
+            kw.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+        if prompt_lookup:
+            kw["prompt_lookup_num_tokens"] = prompt_lookup
+        # An explicit all-ones mask: SmolLM2's pad id equals EOS, and without it generate() masks prompt tokens.
+        return self.model.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(ids):].tolist()

@@ -1,0 +1,287 @@
+"""The running batch: one draft -> verify -> commit cycle per step for every sequence in it.
+
+Each step (dflash-spec §2-3, generalised to trees):
+  1. propose: the lookup branch (host) and the drafter's chain or tree (`proposers.py`) merge into one draft
+     tree per row (`tree.build`); a chain is a tree with one path, plain AR a tree of the anchor alone;
+  2. verify:  the target runs ONE forward over every row's tree; node i sits in slot start + i at position
+     start + depth(i) (RoPE) and sees only its ancestors and the committed context;
+  3. commit:  `_commit`, the one place that accepts (walk the tree along the target's own choices), rolls back
+     (moves an accepted path to slot == position, advances `start`), and hands each row its tokens
+     (`SeqState.commit`: EOS, max_new_tokens and stop strings cut mid-block). The only host sync per step is
+     reading the accepted tokens and counts (plus one for a pruned tree's width).
+
+Sequences join between steps (`add`: prefilled on their own, then concatenated) and leave between steps
+(finished or cancelled rows are dropped by `index_select`). `DFlashEngine.stream` runs one closed batch through
+it; the server keeps one open and lets requests come and go (continuous batching).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import DFlashError
+from .proposers import DraftView, DrafterProposer, LookupProposer
+from .sampling import Sampler, SamplingParams
+from .stats import GenerationStats
+from .tree import accept, build, verify_mask
+
+
+@dataclass
+class StepOutput:
+    """What one step added to one sequence."""
+
+    index: int  # the sequence's index in the prompts given to `stream`
+    tokens: list[int]  # newly committed tokens (already cut at EOS / stop string / max_new_tokens)
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS or stop string), "length" or "cancelled"
+    stats: GenerationStats
+
+
+def cache_positions(prompt_len: int, max_new_tokens: int, width: int) -> int:
+    """Cache slots a sequence can touch: its prompt, its new tokens, and one verify pass (`width` slots: the
+    whole draft tree) past the last one."""
+    return prompt_len + max_new_tokens + width + 1
+
+
+@dataclass
+class SeqState:
+    """Host-side state of one sequence."""
+
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    stats: GenerationStats
+    params: SamplingParams = SamplingParams()
+    stop: list[str] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    t_arrival: float = 0.0
+    t_first: float = 0.0
+    logprobs_k: int | None = None  # None: no log-probabilities; k: each token's, plus the k most likely
+    logprobs: list = field(default_factory=list)  # per generated token: (logprob, [(id, logprob)] * k)
+
+    def commit(self, tokens: list[int], eos_ids: set[int], tokenizer, logprobs: list | None = None) -> StepOutput:
+        """Append tokens, cutting at EOS, max_new_tokens, or a stop string (also mid-block). `logprobs`: one entry
+        per token (when this sequence asked for them), cut with it."""
+        before = len(self.generated)
+        for i, tok in enumerate(tokens):
+            self.generated.append(tok)
+            if logprobs is not None:
+                self.logprobs.append(logprobs[i])
+            if tok in eos_ids:
+                self.finished, self.finish_reason = True, "stop"
+                break
+            if len(self.generated) >= self.max_new_tokens:
+                self.finished, self.finish_reason = True, "length"
+                break
+        if self.stop:
+            cut = stop_cut(self.generated, before, self.stop, tokenizer)
+            if cut is not None:
+                del self.generated[cut:]
+                del self.logprobs[cut:]
+                self.finished, self.finish_reason = True, "stop"
+        self.stats.new_tokens = len(self.generated)
+        return StepOutput(self.index, self.generated[before:], self.finished, self.finish_reason, self.stats)
+
+
+def stop_cut(gen: list[int], before: int, stop: list[str], tokenizer) -> int | None:
+    """Smallest token count k > before such that the tail of gen[:k] contains a stop string."""
+    ctx = max(len(x) for x in stop) + 2  # tokens of look-back: a stop string may straddle the step boundary
+    lo = max(0, before - ctx)
+    dec = tokenizer.decode
+    if not any(x in dec(gen[lo:]) for x in stop):
+        return None
+    for k in range(before + 1, len(gen) + 1):
+        if any(x in dec(gen[lo:k]) for x in stop):
+            return k
+    return None
+
+
+class DecodeBatch:
+    """The device state of every sequence in the batch plus their host-side records.
+
+    target: a `TargetModel`; drafter: a `DrafterProposer` or None (block size 1); lookup: a `LookupProposer`;
+    width: the widest verify pass (`DecodeConfig.verify_width`); span: the deepest path one step can accept plus 1
+    (`DecodeConfig.depth_span`); the drafter's pending features are kept at that width for every row.
+    """
+
+    def __init__(self, target, drafter: DrafterProposer | None, lookup: LookupProposer, width: int, span: int,
+                 max_len: int, eos_ids: set[int] | None = None, tokenizer=None):
+        self.target, self.drafter, self.lookup = target, drafter, lookup
+        self.width, self.span, self.max_len = width, span, max_len
+        self.eos_ids, self.tokenizer = set(eos_ids or ()), tokenizer
+        self.seqs: list[SeqState] = []
+        self.starts: list[int] = []  # host copy of `start`
+        self.tcache = self.dstate = self.sampler = None
+        self.start = self.anchor = None  # [b] the anchor's position, [b] the anchor (last committed token)
+
+    @property
+    def alive(self) -> bool:
+        return any(not s.finished for s in self.seqs)
+
+    def cancel(self, index: int) -> None:
+        """Stop a sequence (e.g. its client went away); its row leaves the batch at the next compaction."""
+        for s in self.seqs:
+            if s.index == index and not s.finished:
+                s.finished, s.finish_reason = True, "cancelled"
+
+    # ---- rows join and leave ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def add(self, seqs: list[SeqState]) -> list[StepOutput]:
+        """Prefill new sequences and join them to the batch; returns their first tokens.
+
+        A sequence that already has tokens (`generated`) resumes: its prompt and all but its last token are
+        prefilled, and the last one is the anchor, as if it had decoded here all along (the server's recovery
+        after a failed step). Its seeded sampler restarts from its seed; its next tokens come from the next step."""
+        tgt = self.target
+        dev, n = tgt.device, len(seqs)
+        # Why generated[:-1]: the anchor (the last committed token) never has K/V before the step that verifies it.
+        ctx = [s.prompt + s.generated[:-1] for s in seqs]
+        lens = [len(c) for c in ctx]
+        P = max(lens)
+        if any(cache_positions(len(s.prompt), s.max_new_tokens, self.width) > self.max_len for s in seqs):
+            raise DFlashError(f"a request needs more than the batch's {self.max_len} cache positions; "
+                              "shorten the prompt or lower max_new_tokens.")
+        tcache = tgt.new_cache(n, self.max_len)
+        # Right-padded prompts at positions 0..P-1 (padding slots are never visible, see cache.py).
+        ids = torch.zeros((n, P), dtype=torch.long)
+        for i, c in enumerate(ctx):
+            ids[i, : lens[i]] = torch.tensor(c, dtype=torch.long)
+        pos = torch.arange(P, device=dev).expand(n, P)
+        hidden, feats = tgt.forward(ids.to(dev), pos, tcache, kv_len=P, taps=self.drafter is not None)
+        last = torch.tensor(lens, device=dev) - 1
+        sampler = Sampler([s.params for s in seqs], dev)
+        logits = tgt.logits(hidden[torch.arange(n, device=dev), last][:, None])  # [n, 1, V]
+        first = sampler(logits)  # [n, 1]
+        fresh = [not s.generated for s in seqs]
+        lps = token_logprobs(logits, first, seqs)
+        known = torch.tensor([s.generated[-1] if s.generated else 0 for s in seqs], device=dev)
+        anchor = torch.where(torch.tensor(fresh, device=dev), first[:, 0], known)
+        dstate = self.drafter.prefill(feats, pos, last, self.max_len, self.span) if self.drafter else None
+        self._join(seqs, tcache, dstate, sampler, last + 1, anchor, lens)
+        now = time.perf_counter()
+        out = []
+        for i, (s, tok) in enumerate(zip(seqs, first[:, 0].tolist())):
+            if not fresh[i]:
+                continue
+            s.t_first = now
+            s.stats.ttft_s = now - s.t_arrival
+            out.append(s.commit([tok], self.eos_ids, self.tokenizer, lps[i] if lps else None))
+        return out
+
+    def _join(self, seqs, tcache, dstate, sampler, start, anchor, starts) -> None:
+        if not self.seqs:
+            self.seqs, self.starts = list(seqs), list(starts)
+            self.tcache, self.dstate, self.sampler, self.start, self.anchor = tcache, dstate, sampler, start, anchor
+            return
+        self.tcache.extend(tcache)
+        if dstate is not None:
+            self.dstate.extend(dstate)
+        self.sampler.extend(sampler)
+        self.start, self.anchor = torch.cat([self.start, start]), torch.cat([self.anchor, anchor])
+        self.seqs += seqs
+        self.starts += list(starts)
+
+    def _compact(self) -> None:
+        keep = [i for i, s in enumerate(self.seqs) if not s.finished]
+        rows = torch.tensor(keep, dtype=torch.long, device=self.target.device)
+        self.tcache.select(rows)
+        if self.dstate is not None:
+            self.dstate.select(rows)
+        self.start, self.anchor = self.start[rows], self.anchor[rows]
+        self.sampler.select(keep)
+        self.seqs = [self.seqs[i] for i in keep]
+        self.starts = [self.starts[i] for i in keep]
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """One propose -> verify -> commit cycle for every sequence in the batch."""
+        n_alive = sum(not s.finished for s in self.seqs)
+        # Finished rows leave the batch, but compaction copies every cache, so a big batch waits until a quarter
+        # of its rows are done; until then they ride along frozen (start does not advance).
+        if n_alive < len(self.seqs) and (n_alive == 0 or (len(self.seqs) - n_alive) * 4 >= len(self.seqs)):
+            self._compact()
+        if not self.seqs:
+            return []
+        tree = self._propose()
+        # Verify: node i sits in slot start + i at position start + depth(i) (RoPE), sees its ancestors only.
+        W, dev = tree.width, self.target.device
+        kv_len = max(self.starts) + W
+        slots = self.start[:, None] + torch.arange(W, device=dev)
+        hidden, feats = self.target.forward(tree.tokens, self.start[:, None] + tree.depth, self.tcache,
+                                            kv_len=kv_len, taps=self.drafter is not None, slots=slots,
+                                            visible=verify_mask(tree, self.start, kv_len))
+        logits = self.target.logits(hidden)  # [b, W, V]
+        choices = self.sampler(logits)  # [b, W] the target's own token after each node
+        return self._commit(tree, logits, choices, feats)
+
+    def _propose(self):
+        """The step's draft tree: the lookup branch merged into the drafter's chain or tree (either may be empty)."""
+        branch, branch_len, matched = self.lookup.propose(self.seqs, self.target.device)
+        draft = None
+        if self.drafter is not None:
+            if self.lookup.skips_drafter(matched, self.seqs):
+                self.drafter.ingest(self.dstate)  # no drafter forward, but its cache must not miss these positions
+            else:
+                draft = self.drafter.propose(self.dstate, DraftView(self.anchor, self.start, max(self.starts),
+                                                                    self.seqs))
+        return build(self.anchor, draft, branch, branch_len)
+
+    def _commit(self, tree, logits: torch.Tensor, choices: torch.Tensor,
+                feats: torch.Tensor | None) -> list[StepOutput]:
+        """Accept, roll back and commit: the one place where a step's outcome changes the batch's state.
+
+        Every committed token is the target's own choice given exactly the committed prefix (`tree.accept`), so
+        output is exact at any temperature. Slots past the accepted path keep stale K/V at positions >= the new
+        start: invisible until those positions are committed and rewritten (`cache.py`)."""
+        b, R, dev = len(self.seqs), self.span, self.target.device
+        live = torch.tensor([not s.finished for s in self.seqs], device=dev)
+        a, path = accept(tree, choices)  # path: [b, D+1] node per depth (repeats the end past a)
+        path = torch.cat([path, path[:, -1:].expand(b, R - path.shape[1])], dim=1)  # [b, R]
+        committed = choices.gather(1, path)  # [b, R]; the first a+1 are this step's tokens
+        host = torch.cat([committed, a[:, None], path], dim=1).tolist()  # the one host sync
+        lps = token_logprobs(logits.gather(1, path[:, :, None].expand(b, R, logits.shape[-1])), committed, self.seqs)
+        depth = torch.arange(R, device=dev)
+        # Bring the accepted path to slot == position (a branch node's K/V sits m slots further right).
+        if any(row[R + 1 + d] != d for row in host for d in range(row[R] + 1)):
+            keep = depth[None] <= a[:, None]
+            src = self.start[:, None] + torch.where(keep, path, depth[None])
+            self.tcache.move(src, self.start[:, None] + depth[None])
+        if self.drafter is not None:
+            # The drafter's context for the next step: the accepted path's features, at its positions (entries
+            # past a sit at positions >= the new start: invisible until rewritten).
+            self.dstate.pend_feats = feats.gather(1, path[:, :, None].expand(b, R, feats.shape[-1]))
+            self.dstate.pend_pos = self.start[:, None] + depth[None]
+        self.anchor = committed.gather(1, a[:, None])[:, 0]  # the bonus token: the next anchor
+        self.start = self.start + (a + 1) * live  # finished rows stay frozen
+        now = time.perf_counter()
+        out = []
+        for i, (s, row) in enumerate(zip(self.seqs, host)):
+            if s.finished:
+                continue
+            a_i = int(row[R])
+            self.starts[i] += a_i + 1
+            s.stats.accepted.append(a_i)
+            out.append(s.commit(row[: a_i + 1], self.eos_ids, self.tokenizer, lps[i][: a_i + 1] if lps else None))
+            s.stats.decode_s = now - s.t_first
+        return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[SeqState]) -> list | None:
+    """logits [b, T, V], tokens [b, T] -> per row, per token: (its log-probability under the target's raw
+    distribution, the k most likely (id, log-probability)), k = the row's `logprobs_k`. None when no row asked
+    (the common case: no extra work, no extra host sync)."""
+    ks = [s.logprobs_k for s in seqs if s.logprobs_k is not None and not s.finished]
+    if not ks:
+        return None
+    lp = logits.float().log_softmax(-1)
+    chosen = lp.gather(-1, tokens[..., None])[..., 0].tolist()
+    top_v, top_i = lp.topk(max(max(ks), 1), dim=-1)
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return [[(chosen[r][t], list(zip(top_i[r][t], top_v[r][t]))[: s.logprobs_k or 0]) for t in range(len(chosen[r]))]
+            for r, s in enumerate(seqs)]

@@ -1,0 +1,158 @@
+"""Benchmark reports: results.json (+ outputs.json.gz, every turn's token ids), results.md and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+def markdown(report: dict) -> str:
+    lines = ["| dataset | method | tau | tokens/s | speedup vs ar | TPOT ms | TTFT ms | mismatches vs ar (near-ties) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for d, rows in report["results"].items():
+        for m, r in rows.items():
+            mm = r.get("mismatches_vs_ar")
+            mm_s = f"{mm['count']} ({mm['near_ties']})" if mm else "-"
+            lines.append(f"| {d} | {m} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} | "
+                         f"{r['tpot_ms'] or 0:.1f} | {r['ttft_ms'] or 0:.0f} | {mm_s} |")
+    for d, rows in report["results"].items():
+        nz = rows.get("ar", {}).get("rounding_noise")
+        if nz:
+            lines.append(f"\nnear-tie bound, {d}: 2 ulps of the top logit, or the rounding noise measured on "
+                         f"{nz['prompts']} "
+                         f"AR outputs (block {nz['block_size']} vs one token per forward: max top-2 gap change "
+                         f"{nz['max']:g} over {nz['positions']} positions, argmax flips {nz['flips']}, largest gap "
+                         f"that flipped {nz['max_gap_flipped']:g})")
+    for d, rows in report.get("sweeps", {}).get("batch", {}).items():
+        sizes = sorted({int(n) for r in rows.values() for n in r})
+        lines += ["", f"Throughput (tokens/s, prefill included) vs batch size, {d} first turns:", "",
+                  "| method | " + " | ".join(f"batch {n}" for n in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
+        for m, r in rows.items():
+            lines.append(f"| {m} | " + " | ".join(f"{r[str(n)]['tokens_per_s']:.1f} (tau {r[str(n)]['tau']:.2f})"
+                                                   for n in sizes) + " |")
+    for m, why in report.get("skipped", {}).items():
+        lines.append(f"\nskipped `{m}`: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def plots(report: dict, out: Path) -> list[Path]:
+    """Every plot the report's rows allow: speedup.png, acceptance.png, block_size.png, batch.png, temperature.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name, draw in (("speedup", _speedup), ("acceptance", _acceptance), ("block_size", _block_size),
+                       ("batch", _batch), ("temperature", _temperature)):
+        fig = draw(plt, report)
+        if fig is not None:
+            fig.tight_layout()
+            paths.append(out / f"{name}.png")
+            fig.savefig(paths[-1], dpi=120)
+            plt.close(fig)
+    return paths
+
+
+def _speedup(plt, report: dict):
+    res = report["results"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    datasets = list(res)
+    methods = sorted({m for r in res.values() for m in r})
+    w = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        ax.bar([k + i * w for k in range(len(datasets))],
+               [res[d].get(m, {}).get("speedup_vs_ar") or 0 for d in datasets],
+               width=w, label=m)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([k + w * (len(methods) - 1) / 2 for k in range(len(datasets))], datasets)
+    ax.set_ylabel("speedup vs ar (same engine)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _acceptance(plt, report: dict):
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for d, rows in report["results"].items():
+        for m, r in rows.items():
+            if r["acceptance"]:
+                ax.plot(range(1, len(r["acceptance"]) + 1), r["acceptance"], marker="o",
+                        label=f"{d} {m} (tau {r['tau']:.2f})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("cumulative acceptance")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _block_size(plt, report: dict):
+    """tau and tokens/s vs block size (ar is block size 1), one line per dataset and temperature."""
+    curves = {}
+    for d, rows in report["results"].items():
+        for m, r in rows.items():
+            name, _, temp = m.partition("@")
+            if name == "ar" or (name.startswith("dflash-b") and name[len("dflash-b"):].isdigit()):
+                b = 1 if name == "ar" else int(name[len("dflash-b"):])
+                curves.setdefault(f"{d}" + (f" @{temp}" if temp else ""), []).append((b, r["tau"], r["tokens_per_s"]))
+    if not any(len(c) > 2 for c in curves.values()):
+        return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, pts in curves.items():
+        pts.sort()
+        a1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        a2.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=label)
+    for a, yl in ((a1, "tau (tokens per target pass)"), (a2, "tokens/s")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("block size (1 = ar)")
+        a.set_ylabel(yl)
+    a1.legend(fontsize=8)
+    return fig
+
+
+def _batch(plt, report: dict):
+    batch = report.get("sweeps", {}).get("batch", {})
+    if not batch:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for d, rows in batch.items():
+        for m, r in rows.items():
+            sizes = sorted(int(n) for n in r)
+            ax.plot(sizes, [r[str(n)]["tokens_per_s"] for n in sizes], marker="o", label=f"{d} {m}")
+    ax.set_xlabel("batch size (prompts decoded together)")
+    ax.set_ylabel("throughput, tokens/s")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _temperature(plt, report: dict):
+    res = report["results"]
+    if not any("@" in m for rows in res.values() for m in rows):
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [(d, m) for d, rows in res.items() for m in rows if m.startswith("dflash-b")]
+    ax.bar(range(len(labels)), [res[d][m]["speedup_vs_ar"] or 0 for d, m in labels])
+    ax.set_xticks(range(len(labels)), [f"{d}\n{m}" for d, m in labels], fontsize=7, rotation=30)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylabel("speedup vs ar at the same temperature")
+    return fig
+
+
+def write_markdown(report: dict, out: Path, footer: str = "") -> None:
+    """DIR/results.md: the command, then `markdown(report)` (and `footer`)."""
+    (out / "results.md").write_text(f"# Benchmark\n\n`{report['settings'].get('command', '')}`\n\n"
+                                    + markdown(report) + footer)
+
+
+def write_report(report: dict, out_dir: str | Path) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    import gzip
+
+    report = dict(report)
+    outputs = report.pop("outputs", None)
+    if outputs is not None:  # token ids of every turn: bulky, so compressed and out of results.json
+        with gzip.open(out / "outputs.json.gz", "wt") as f:
+            json.dump(outputs, f)
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_markdown(report, out)
+    plots(report, out)
+    return report

@@ -1,0 +1,199 @@
+"""`dflashkit bench`: runs every method on every dataset, one prompt at a time, and collects the report.
+
+Per dataset and method (one record per turn): tau (bonus included), cumulative per-position acceptance
+(1 + sum == tau), accepted-length histogram, tokens/s (decode), TPOT, TTFT, speedup vs `ar`, and
+`mismatches_vs_ar` (greedy outputs that differ from our AR output, with how many part at a near-tie).
+Optional sweeps: extra temperatures (rows `m@T<t>`) and batch sizes (throughput, prefill included).
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import stats
+from ..decode_config import DecodeConfig
+from .datasets import load_dataset, load_prompt_file
+from .exactness import calibrate_noise, mismatches
+from .peers import BenchContext, EngineMethod, Turn, build_methods
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BenchConfig:
+    datasets: list[str]
+    prompts_file: str | None = None
+    limit: int | None = None
+    max_new_tokens: int = 256
+    block_sizes: list[int] = field(default_factory=lambda: [16])  # the plain `dflash` rows (and peers' blocks)
+    temperature: float = 0.0
+    temperatures: list[float] = field(default_factory=list)  # extra temperatures: ar/dflash rows named `m@T<t>`
+    batch_sizes: list[int] = field(default_factory=list)  # throughput sweep of our rows (first turns, batched)
+    methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "hf", "hf-lookup"])
+    out: str = "bench/results/latest"
+    target: str | None = None
+    drafter: str | None = None
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    speed_bench_dir: str | None = None
+    noise_prompts: int = 8  # AR outputs (first turns) on which the near-tie bound is measured (`rounding_noise`)
+    # the tree / lookup settings of the dflash-lookup, dflash-tree and lookup rows (the same defaults as the CLI)
+    decode: DecodeConfig = field(default_factory=DecodeConfig.recommended)
+    lookup_block_sizes: list[int] = field(default_factory=list)  # their block sizes (default: block_sizes)
+    command: str = ""
+
+
+def aggregate(turns: list[Turn], span: int) -> dict:
+    """tau over all cycles of all turns (`stats.py`), acceptance by position, histogram, speed."""
+    cycles = [a for t in turns for a in t.accepted]
+    tok = sum(t.new_tokens - 1 for t in turns if t.new_tokens > 1)
+    dec = sum(t.decode_s for t in turns if t.new_tokens > 1)
+    tps = tok / dec if dec > 0 else 0.0
+    return {"tau": round(stats.tau(cycles), 4), "acceptance": [round(x, 4) for x in stats.acceptance(cycles, span)],
+            "accepted_length_histogram": stats.histogram(cycles, span),
+            "tokens_per_s": round(tps, 3), "tpot_ms": round(1000 / tps, 3) if tps else None,
+            "ttft_ms": round(1000 * statistics.median(t.ttft_s for t in turns), 3) if turns else None,
+            "turns": len(turns), "new_tokens": sum(t.new_tokens for t in turns)}
+
+
+def run_items(method, items: list[list[str]], tok, max_new: int, desc: str) -> tuple[list[Turn], list[list[int]]]:
+    """Every item's turns, one prompt at a time; a later turn follows the method's OWN previous answer."""
+    from tqdm import tqdm
+
+    from ..loader import encode_chat
+
+    turns: list[Turn] = []
+    texts: list[list[int]] = []
+    for item in tqdm(items, desc=desc, unit="prompt"):
+        history: list[dict] = []
+        for user in item:
+            history.append({"role": "user", "content": user})
+            t = method.run([encode_chat(tok, history)], max_new)[0]
+            turns.append(t)
+            texts.append(t.tokens)
+            history.append({"role": "assistant", "content": tok.decode(t.tokens, skip_special_tokens=True)})
+    return turns, texts
+
+
+def batch_sweep(method: EngineMethod, prompts: list[list[int]], sizes: list[int], max_new: int, desc: str) -> dict:
+    """Throughput with N prompts decoded together: tokens generated / wall time (prefill included), per N.
+    Returns {N: {tokens_per_s, tau, prompts}}; the prompts are taken in order, in chunks of N."""
+    from tqdm import tqdm
+
+    out = {}
+    for n in sizes:
+        chunks = [prompts[i:i + n] for i in range(0, len(prompts), n)]
+        toks, cycles, wall = 0, [], 0.0
+        for chunk in tqdm(chunks, desc=f"{desc} batch {n}", unit="batch"):
+            t0 = time.perf_counter()
+            turns = method.run(chunk, max_new)
+            wall += time.perf_counter() - t0
+            toks += sum(t.new_tokens for t in turns)
+            cycles += [a for t in turns for a in t.accepted]
+        out[str(n)] = {"tokens_per_s": round(toks / wall, 3) if wall else 0.0, "tau": round(stats.tau(cycles), 4),
+                       "prompts": len(prompts)}
+    return out
+
+
+def load_models(cfg: BenchConfig) -> BenchContext:
+    """Our target, tokenizer, drafter (None for a custom target without --drafter) and engine."""
+    from ..engine import DFlashEngine
+    from ..loader import load_models as load
+    from ..sampling import SamplingParams
+
+    # a custom target without --drafter has no drafter: the non-DFlash methods only
+    target, tok, drafter, _ = load(cfg.target, cfg.drafter, dtype=cfg.dtype, device=cfg.device)
+    engine = DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig())
+    return BenchContext(cfg, target, tok, drafter, engine, SamplingParams(temperature=cfg.temperature))
+
+
+def run_dataset(ctx: BenchContext, methods: dict, items: list[list[str]], dname: str) -> tuple[dict, dict]:
+    """Every method (and every extra temperature of our rows) on one dataset: (results, outputs)."""
+    from ..sampling import SamplingParams
+
+    cfg = ctx.cfg
+    results, outputs = {}, {}
+    for mname, method in methods.items():
+        turns, outputs[mname] = run_items(method, items, ctx.tok, cfg.max_new_tokens, f"{dname}/{mname}")
+        results[mname] = aggregate(turns, max(getattr(method, "span", getattr(method, "block_size", 1)), 1))
+    for t in cfg.temperatures:  # our rows, sampled: tau and speed at T > 0 (outputs differ by design)
+        for mname, method in ((n, m) for n, m in methods.items() if isinstance(m, EngineMethod)):
+            sampled = method.with_sampling(SamplingParams(temperature=t, seed=0), f"{mname}@T{t:g}")
+            turns, _ = run_items(sampled, items, ctx.tok, cfg.max_new_tokens, f"{dname}/{sampled.name}")
+            results[sampled.name] = aggregate(turns, max(sampled.span, 1))
+    for mname, r in results.items():
+        base = mname.split("@")[1] if "@" in mname else None
+        ar = results["ar" if base is None else f"ar@{base}"]["tokens_per_s"]
+        r["speedup_vs_ar"] = round(r["tokens_per_s"] / ar, 4) if ar else None
+        if cfg.temperature == 0 and base is None and mname != "ar":
+            if "rounding_noise" not in results["ar"]:
+                results["ar"]["rounding_noise"], _ = calibrate_noise(
+                    ctx.target, ctx.tok, items, outputs["ar"], max(cfg.block_sizes), cfg.noise_prompts)
+            r["mismatches_vs_ar"] = mismatches(ctx.target, ctx.tok, items, outputs["ar"], outputs[mname],
+                                               results["ar"]["rounding_noise"])
+    return results, outputs
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    from ..loader import encode_chat
+
+    ctx = load_models(cfg)
+    methods, skipped = build_methods(ctx, cfg.methods)
+    for m, why in skipped.items():
+        log.warning("skipping %s: %s", m, why)
+    sets = {d: load_dataset(d, cfg.limit, cfg.speed_bench_dir) for d in cfg.datasets}
+    if cfg.prompts_file:
+        sets[Path(cfg.prompts_file).stem] = load_prompt_file(cfg.prompts_file, cfg.limit)
+    ours = {n: m for n, m in methods.items() if isinstance(m, EngineMethod)}
+    for method in ours.values():  # warm-up
+        method.run([encode_chat(ctx.tok, "Hello")], 4)
+    results, outputs, sweeps = {}, {}, {}
+    for dname, items in sets.items():
+        results[dname], outputs[dname] = run_dataset(ctx, methods, items, dname)
+    if cfg.batch_sizes:
+        sweeps["batch"] = {d: {m: batch_sweep(meth, [encode_chat(ctx.tok, it[0]) for it in items], cfg.batch_sizes,
+                                              cfg.max_new_tokens, f"{d}/{m}")
+                               for m, meth in ours.items()} for d, items in sets.items()}
+    for method in methods.values():
+        if hasattr(method, "close"):
+            method.close()
+    return {
+        "results": results,
+        # every method's greedy/sampled token ids per turn (item order), written beside results.json so a
+        # mismatch can be audited later without regenerating
+        "outputs": outputs,
+        "sweeps": sweeps,
+        "skipped": skipped,
+        "settings": settings(cfg),
+        "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "dtype": cfg.dtype, "device": cfg.device},
+        "versions": _versions(),
+    }
+
+
+def settings(cfg: BenchConfig) -> dict:
+    """The run's settings as JSON (the decode config flattened: tree, tree_min_prob, draft_vocab, lookup...)."""
+    import dataclasses
+
+    out = {k: v for k, v in cfg.__dict__.items() if k != "decode"}
+    out["decode"] = dataclasses.asdict(cfg.decode)
+    return out
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for p in ("dflashkit", "torch", "transformers"):
+        try:
+            out[p] = md.version(p)
+        except md.PackageNotFoundError:
+            out[p] = None
+    return out

@@ -1,0 +1,188 @@
+"""Proposers: where a step's draft comes from. Each returns part of a draft tree (`tree.py`); a chain is a tree
+with one path. The batch verifies the merged tree in one target pass and commits through one function.
+
+- `DrafterProposer`: the DFlash drafter. ONE forward over `[anchor, MASK x (B-1)]` conditioned on the target's
+  tapped features, then either the argmax chain or a tree of its likeliest paths (`tree.topk_tree`).
+- `LookupProposer`: an n-gram lookup branch copied from earlier in each sequence (`lookup.py`), on the host.
+
+Tests inject an oracle by wrapping `DrafterProposer.draft` (the drafter's top-k per slot) in a subclass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache import PositionCache
+from .drafter import DFlashDrafter
+from .errors import DFlashError
+from .lookup import LookupParams, propose
+from .tree import DraftNodes, chain_nodes, topk_tree
+
+
+def check_compatible(drafter: DFlashDrafter, target) -> None:
+    c = drafter.config
+    remedy = ("the drafter was built for another target: train one for this target (`dflashkit train`) "
+              "or pick its own target.")
+    if c.hidden_size != target.hidden_size:
+        raise DFlashError(f"drafter hidden_size {c.hidden_size} != target hidden_size {target.hidden_size}; {remedy}")
+    if c.vocab_size != target.vocab_size:
+        raise DFlashError(f"drafter vocab_size {c.vocab_size} != target vocabulary {target.vocab_size}; {remedy}")
+    if c.num_target_layers != target.num_layers:
+        raise DFlashError(f"drafter expects a target with {c.num_target_layers} layers, this one has "
+                          f"{target.num_layers}; {remedy}")
+    d2t = drafter.draft_to_target_ids()
+    if d2t is not None and (d2t.min() < 0 or d2t.max() >= target.vocab_size):
+        raise DFlashError("the drafter's draft->target vocabulary map points outside the target vocabulary; "
+                          "re-export the drafter.")
+
+
+def frequent_ids(drafter: DFlashDrafter, n: int) -> torch.Tensor:
+    """The drafter's n most frequent training ids (sorted): drafting over them reads only n rows of the LM head."""
+    if drafter.d2t is not None:
+        raise DFlashError("this drafter was trained with its own reduced draft vocabulary; leave draft_vocab at 0.")
+    ranking = drafter.token_ranking
+    if ranking is None:
+        raise DFlashError("draft_vocab needs the drafter's token_ranking.json (its training ids by frequency; see "
+                          "docs/training.md); this drafter has none, so use draft_vocab 0 (the full vocabulary).")
+    if n > len(ranking):
+        raise DFlashError(f"draft_vocab {n} exceeds the {len(ranking)} ids the drafter's token ranking holds.")
+    return torch.tensor(sorted(ranking[:n]), dtype=torch.long)
+
+
+@dataclass
+class DraftState:
+    """The drafter's per-batch state, row-aligned with the batch: its K/V cache of context features, and the
+    target features committed last step that it has not ingested yet (`pend_*`, one width R for all rows)."""
+
+    cache: PositionCache
+    pend_feats: torch.Tensor  # [b, R, k*H]
+    pend_pos: torch.Tensor  # [b, R] their positions
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.select(rows)
+        self.pend_feats, self.pend_pos = self.pend_feats[rows], self.pend_pos[rows]
+
+    def extend(self, other: "DraftState") -> None:
+        self.cache.extend(other.cache)
+        self.pend_feats = torch.cat([self.pend_feats, other.pend_feats])
+        self.pend_pos = torch.cat([self.pend_pos, other.pend_pos])
+
+
+@dataclass
+class DraftView:
+    """What a proposer sees of the batch at one step."""
+
+    anchor: torch.Tensor  # [b] the last committed token of each row (no target K/V yet)
+    start: torch.Tensor  # [b] the anchor's position
+    ctx_len: int  # max(start) on the host: the draft cache slots any row can see
+    seqs: list  # the rows' host state (`batch.SeqState`: prompt + generated); oracles read it
+
+
+class DrafterProposer:
+    """The DFlash drafter as a proposer of the chain (tree = 0) or a tree of its `tree` likeliest paths."""
+
+    def __init__(self, drafter: DFlashDrafter, target, block_size: int, tree: int = 0, tree_min_prob: float = 0.0,
+                 draft_vocab: int = 0):
+        check_compatible(drafter, target)
+        target.set_taps(drafter.config.target_layer_ids)
+        self.drafter = drafter.to(device=target.device, dtype=target.dtype).eval()
+        self.target, self.block_size, self.tree, self.tree_min_prob = target, block_size, tree, tree_min_prob
+        d2t = frequent_ids(drafter, draft_vocab) if draft_vocab else drafter.draft_to_target_ids()
+        # Reduced draft vocabulary: draft logits over a row subset of the target's LM head. Verification still
+        # uses the full vocabulary, so output stays exact; only the proposals are restricted.
+        self.d2t = d2t.to(target.device) if d2t is not None else None
+        self.head = target.lm_head_weight[self.d2t] if d2t is not None else None
+        self._arange_q = torch.arange(block_size, device=target.device)
+
+    # ---- per-batch state ------------------------------------------------------------------------------------
+    def prefill(self, feats: torch.Tensor, pos: torch.Tensor, last: torch.Tensor, max_len: int,
+                width: int) -> DraftState:
+        """New rows' state from their prompt features [n, P, k*H] at pos [n, P]; last [n] = each prompt's last
+        position. The prompt goes into the cache at once; what stays pending is a harmless rewrite of the last
+        prompt feature at its own position, repeated to the batch's pending width."""
+        c, n = self.drafter.config, feats.shape[0]
+        cache = PositionCache(c.num_hidden_layers, n, c.num_key_value_heads, max_len, c.head_dim,
+                              self.target.dtype, self.target.device)
+        self._write(cache, feats, pos)
+        rows = torch.arange(n, device=feats.device)
+        return DraftState(cache, feats[rows, last][:, None].expand(n, width, feats.shape[-1]).contiguous(),
+                          last[:, None].expand(n, width).contiguous())
+
+    def ingest(self, state: DraftState) -> None:
+        """Write the pending context features into the draft cache (also on steps that skip the drafter, or the
+        cache would miss those positions)."""
+        self._write(state.cache, state.pend_feats, state.pend_pos)
+
+    def _write(self, cache: PositionCache, feats: torch.Tensor, pos: torch.Tensor) -> None:
+        dr = self.drafter
+        for layer, (k, v) in enumerate(dr.context_kv(dr.fuse(feats), pos)):
+            cache.write(layer, k, v, pos)
+
+    # ---- drafting -------------------------------------------------------------------------------------------
+    def propose(self, state: DraftState, view: DraftView) -> DraftNodes:
+        """Ingest the pending features, draft one block, and return the chain or the tree of likeliest paths."""
+        self.ingest(state)
+        # A tree of n nodes needs at most the n best tokens per slot (its beam is then exact, `topk_tree`).
+        toks, logp = self.draft(state, view, k=min(self.tree, 16) if self.tree else 1)
+        if self.tree:
+            return topk_tree(toks, logp, self.tree, self.tree_min_prob)
+        return chain_nodes(toks[..., 0])
+
+    def draft(self, state: DraftState, view: DraftView, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's k best tokens per block slot 1..B-1 as target ids [b, B-1, k], best first, and their
+        log-probabilities [b, B-1, k] (float32; zeros for k = 1, where only the argmax is needed)."""
+        c, anchor = self.drafter.config, view.anchor
+        b, Q, dev = anchor.shape[0], self.block_size, anchor.device
+        blk_pos = view.start[:, None] + self._arange_q  # [b, Q]
+        # Why mask_token_id: slots 1..B-1 are embedded as the mask token the drafter was trained with; a different
+        # id does not crash, it just drafts garbage.
+        block = torch.full((b, Q), c.mask_token_id, dtype=torch.long, device=dev)
+        block[:, 0] = anchor
+        # Block queries see context slots strictly before the anchor (its own feature does not exist yet) and
+        # all B block tokens (bidirectional).
+        ctx_vis = torch.arange(view.ctx_len, device=dev) < view.start[:, None]  # [b, ctx_len]
+        mask = torch.cat([ctx_vis[:, None, None, :].expand(b, 1, Q, view.ctx_len),
+                          torch.ones((b, 1, Q, Q), dtype=torch.bool, device=dev)], dim=-1)
+        ctx_kv = [(state.cache.keys[l][:, :, :view.ctx_len], state.cache.values[l][:, :, :view.ctx_len])
+                  for l in range(c.num_hidden_layers)]
+        h = self.drafter(self.target.embed(block), blk_pos, ctx_kv, mask)
+        # Same-position prediction: output slot j (j >= 1) proposes the token AT position anchor + j; slot 0
+        # (the anchor itself) is discarded.
+        logits = self.target.logits(h[:, 1:], self.head)
+        if k == 1:  # the chain needs no probabilities: skip the softmax (max, not bf16 argmax: see sampling.py)
+            drafts = logits.max(-1, keepdim=True).indices
+            logp = torch.zeros(drafts.shape, dtype=torch.float32, device=drafts.device)
+        else:
+            logp, drafts = logits.float().log_softmax(-1).topk(k, dim=-1)
+        return (self.d2t[drafts] if self.d2t is not None else drafts), logp
+
+
+class LookupProposer:
+    """The n-gram lookup branch: for each live row, the tokens that followed the latest earlier occurrence of its
+    longest matching suffix. Runs on the host, where the committed tokens live."""
+
+    def __init__(self, params: LookupParams):
+        self.params = params
+
+    def propose(self, seqs: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """-> (branch [b, k] right-padded, its valid length per row [b], each row's matched suffix length).
+        k is the longest proposal (known on the host): the branch is never wider than it must be."""
+        props = [self.suggest(s.prompt + s.generated) if self.params.enabled and not s.finished else ([], 0)
+                 for s in seqs]
+        k = max((len(p) for p, _ in props), default=0)
+        branch = torch.zeros((len(seqs), k), dtype=torch.long)
+        for i, (p, _) in enumerate(props):
+            branch[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        lengths = torch.tensor([len(p) for p, _ in props], device=device)
+        return branch.to(device), lengths, [n for _, n in props]
+
+    def suggest(self, tokens: list[int]) -> tuple[list[int], int]:
+        """One row's (proposal, matched suffix length) for its committed tokens (tests override it with oracles)."""
+        return propose(tokens, self.params)
+
+    def skips_drafter(self, matched: list[int], seqs: list) -> bool:
+        """Every live row matched a suffix of at least `skip_drafter_n` tokens: verify the branch alone."""
+        n = self.params.skip_drafter_n
+        return bool(n) and all(m >= n for m, s in zip(matched, seqs) if not s.finished)

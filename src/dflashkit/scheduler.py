@@ -1,0 +1,259 @@
+"""The server's engine loop: one thread owns the engine and one running `DecodeBatch`; requests join and leave
+between steps (continuous batching), and Prometheus counters of what it did.
+
+Failure isolation: request fields are validated before a request is queued (`SamplingParams`, the API limits), and
+a request whose admission still fails (prefill, its sampler) fails alone. A failure inside a decoding step cannot
+come from one request's input; it fails the rows of that batch, is logged, and the loop goes on with a new batch.
+"""
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .batch import cache_positions
+from .engine import DFlashEngine
+from .errors import DFlashError
+from .sampling import SamplingParams
+from .stats import tau_from_counts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    seq: object  # batch.SeqState
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue  # StepOutput items, then None
+    cancelled: bool = False
+
+
+@dataclass
+class Metrics:
+    requests: int = 0
+    requests_rejected: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    target_passes: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    latency_buckets: tuple = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+    latency_counts: list[int] = field(default_factory=lambda: [0] * 9)  # one per bucket
+    latency_sum: float = 0.0
+    latency_n: int = 0
+
+    def observe(self, stats, latency: float) -> None:
+        span = stats.span  # the most tokens one pass can commit: span - 1 draft positions
+        self.prompt_tokens += stats.prompt_tokens
+        self.generated_tokens += stats.new_tokens
+        self.target_passes += stats.target_passes
+        self.draft_tokens += stats.target_passes * (span - 1)
+        self.accepted_tokens += sum(stats.accepted)
+        if len(self.accepted_per_position) < span - 1:
+            self.accepted_per_position += [0] * (span - 1 - len(self.accepted_per_position))
+        for a in stats.accepted:
+            for j in range(a):
+                self.accepted_per_position[j] += 1
+        for i, b in enumerate(self.latency_buckets):
+            self.latency_counts[i] += latency <= b
+        self.latency_sum += latency
+        self.latency_n += 1
+
+    def prometheus(self) -> str:
+        tau = tau_from_counts(self.target_passes, self.accepted_tokens)
+        lines = [
+            "# TYPE dflashkit_requests_total counter", f"dflashkit_requests_total {self.requests}",
+            "# TYPE dflashkit_requests_rejected_total counter",
+            f"dflashkit_requests_rejected_total {self.requests_rejected}",
+            "# TYPE dflashkit_prompt_tokens_total counter", f"dflashkit_prompt_tokens_total {self.prompt_tokens}",
+            "# TYPE dflashkit_generated_tokens_total counter",
+            f"dflashkit_generated_tokens_total {self.generated_tokens}",
+            "# TYPE dflashkit_target_passes_total counter", f"dflashkit_target_passes_total {self.target_passes}",
+            "# TYPE dflashkit_draft_tokens_total counter", f"dflashkit_draft_tokens_total {self.draft_tokens}",
+            "# TYPE dflashkit_accepted_tokens_total counter", f"dflashkit_accepted_tokens_total {self.accepted_tokens}",
+            "# TYPE dflashkit_tau gauge", f"dflashkit_tau {tau:.4f}",
+            "# TYPE dflashkit_accepted_per_position_total counter",
+        ]
+        lines += [f'dflashkit_accepted_per_position_total{{position="{j + 1}"}} {c}'
+                  for j, c in enumerate(self.accepted_per_position)]
+        lines.append("# TYPE dflashkit_request_latency_seconds histogram")
+        for b, c in zip(self.latency_buckets, self.latency_counts):
+            lines.append(f'dflashkit_request_latency_seconds_bucket{{le="{b}"}} {c}')
+        lines += [f'dflashkit_request_latency_seconds_bucket{{le="+Inf"}} {self.latency_n}',
+                  f"dflashkit_request_latency_seconds_sum {self.latency_sum:.6f}",
+                  f"dflashkit_request_latency_seconds_count {self.latency_n}"]
+        return "\n".join(lines) + "\n"
+
+
+class Scheduler:
+    """Owns the engine in one thread; requests join and leave the running batch between steps."""
+
+    def __init__(self, engine: DFlashEngine, max_batch: int, max_queue: int, max_len: int):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise DFlashError(f"--max-batch must be >= 1 (got {max_batch}): the sequences decoded together.")
+        if not isinstance(max_queue, int) or max_queue < 1:
+            raise DFlashError(f"--max-queue must be >= 1 (got {max_queue}): the requests that may wait for a slot.")
+        self.engine, self.max_batch, self.max_len = engine, max_batch, max_len
+        self.pending: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self.jobs: dict[int, Job] = {}
+        self.metrics = Metrics()
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._draining = False
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Run the engine loop in a new thread (tests, embedding). `dflashkit serve` calls `run()` on its main
+        thread instead: see `run`."""
+        self.thread = threading.Thread(target=self.run, name="dflashkit-engine", daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        """The engine loop, in the calling thread, until `shutdown`.
+
+        Why the thread matters: torch's OpenMP runtime keeps one thread team per thread that ran a parallel op.
+        Once two teams exist (the thread that loaded the model, and an engine thread) and their threads outnumber
+        the cores, libgomp stops spinning between parallel regions and every op pays a wake-up: on 2 cores a
+        one-token decode step got ~1.5x slower. Running the loop on the thread that loaded the model avoids that."""
+        try:
+            self._run()
+        finally:
+            self._done.set()
+
+    def shutdown(self, timeout: float = 60.0) -> None:
+        """Stop admitting; in-flight requests finish (drain), then the engine loop returns."""
+        self._draining = True
+        self._stop.set()
+        self._done.wait(timeout)
+
+    @property
+    def context(self) -> int:
+        """The most prompt + max_tokens one request may ask for (`--max-len` minus one verify pass)."""
+        return self.max_len - self.engine.config.verify_width - 1
+
+    def submit(self, prompt_ids, sampling: SamplingParams, max_new_tokens: int, stop, logprobs: int | None = None,
+               loop=None) -> Job:
+        if self._draining:
+            raise OverloadError("the server is shutting down")
+        seq = self.engine.sequence(next(self._ids), prompt_ids, sampling, max_new_tokens, stop)
+        seq.logprobs_k = logprobs
+        width = self.engine.config.verify_width
+        if cache_positions(len(prompt_ids), max_new_tokens, width) > self.max_len:
+            raise DFlashError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_new_tokens}) exceeds the "
+                              f"server's context of {self.context} tokens (--max-len {self.max_len}); shorten the "
+                              "prompt or lower max_tokens.")
+        loop = loop or asyncio.get_running_loop()
+        job = Job(seq, loop, asyncio.Queue())
+        try:
+            self.pending.put_nowait(job)
+        except queue.Full:
+            self.metrics.requests_rejected += 1
+            raise OverloadError("the request queue is full; retry later") from None
+        self.metrics.requests += 1
+        return job
+
+    def cancel(self, job: Job) -> None:
+        job.cancelled = True  # the worker drops its row before the next step
+
+    def _emit(self, job: Job, item) -> None:
+        job.loop.call_soon_threadsafe(job.out.put_nowait, item)
+
+    def _run(self) -> None:
+        batch = self.engine.new_batch(self.max_len)
+        while True:
+            for j in self.jobs.values():
+                if j.cancelled and not j.seq.finished:
+                    batch.cancel(j.seq.index)
+            # admit queued requests up to max_batch (wait briefly when idle, so the stop flag is still seen)
+            new = []
+            while len(self.jobs) + len(new) < self.max_batch:
+                try:
+                    idle = not self.jobs and not new
+                    job = self.pending.get(timeout=0.05) if idle else self.pending.get_nowait()
+                except queue.Empty:
+                    break
+                if not job.cancelled:
+                    new.append(job)
+            if self._stop.is_set() and not self.jobs and not new:
+                return
+            try:
+                if new:
+                    self._admit(batch, new)
+                if batch.alive:
+                    self._dispatch(batch.step())
+                elif self.jobs:  # every job finished or was cancelled
+                    self._dispatch([])
+            except Exception:  # never let one bad step kill the server, nor one row fail the others
+                log.exception("decoding step failed; isolating the row that fails")
+                batch = self._recover()
+
+    def _admit(self, batch, new: list[Job]) -> None:
+        """Prefill new requests and join them to the batch. A request whose admission fails (its own sampler,
+        its own prompt) fails alone: the group is retried one by one, and the running rows are untouched (a
+        failed `add` joins nothing)."""
+        try:
+            outs = batch.add([j.seq for j in new])
+        except Exception as e:
+            if len(new) == 1:
+                log.exception("admitting request %d failed", new[0].seq.index)
+                self._emit(new[0], e)
+                return
+            for j in new:
+                self._admit(batch, [j])
+            return
+        for j in new:
+            self.jobs[j.seq.index] = j
+        self._dispatch(outs)
+
+    def _recover(self):
+        """After a failed step: each live row resumes alone (`DecodeBatch.add` of its committed tokens) and takes
+        one step; a row that fails alone is finished with its error, the others resume together in a new batch.
+        (Resumed rows recompute their context once; in low precision that may round differently from the
+        incremental cache, as any batch change does.)"""
+        survivors = []
+        for j in [j for j in self.jobs.values() if not j.seq.finished]:
+            try:
+                solo = self.engine.new_batch(self.max_len)
+                solo.add([j.seq])
+                outs = solo.step()
+            except Exception as e:
+                log.exception("request %d fails on its own: finishing it with the error", j.seq.index)
+                j.seq.finished, j.seq.finish_reason = True, "error"
+                self._emit(j, e)
+                del self.jobs[j.seq.index]
+                continue
+            self._dispatch(outs)
+            survivors.append(j)
+        batch = self.engine.new_batch(self.max_len)
+        alive = [j for j in survivors if not j.seq.finished]
+        try:
+            if alive:
+                batch.add([j.seq for j in alive])
+        except Exception as e:  # each stepped alone, but not together: nothing left to isolate
+            log.exception("resuming %d requests failed", len(alive))
+            for j in alive:
+                self._emit(j, e)
+                del self.jobs[j.seq.index]
+            batch = self.engine.new_batch(self.max_len)
+        self._dispatch([])
+        return batch
+
+    def _dispatch(self, outs) -> None:
+        for o in outs:
+            job = self.jobs.get(o.index)
+            if job is not None and o.tokens:
+                self._emit(job, o)
+        for idx, job in list(self.jobs.items()):
+            if job.seq.finished:
+                self.metrics.observe(job.seq.stats, time.perf_counter() - job.seq.t_arrival)
+                self._emit(job, None)
+                del self.jobs[idx]
+
+
+class OverloadError(Exception):
+    pass
