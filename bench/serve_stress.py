@@ -57,10 +57,12 @@ def stream(client, i: int, kw: dict) -> dict:
 
     t0 = time.time()
     finished, chunks = set(), 0
+    kw = dict(kw)
+    extra = {"top_k": kw.pop("top_k")} if "top_k" in kw else None  # not an OpenAI field: the client sends it as is
     try:
         for c in client.chat.completions.create(model="smollm2-135m-instruct-dflash", stream=True,
                                                 messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                                                **kw):
+                                                extra_body=extra, **kw):
             chunks += 1
             for ch in c.choices:
                 if ch.finish_reason:
@@ -69,7 +71,8 @@ def stream(client, i: int, kw: dict) -> dict:
     except APIStatusError as e:
         status = e.status_code
     except Exception as e:  # a broken stream counts as lost
-        return {"i": i, "status": None, "error": repr(e), "lost": True, "s": time.time() - t0, **kw}
+        return {"i": i, "status": None, "error": repr(e), "lost": True, "s": round(time.time() - t0, 3),
+                "settings": kw}
     return {"i": i, "status": status, "chunks": chunks, "lost": status == 200 and len(finished) < kw.get("n", 1),
             "s": round(time.time() - t0, 3), "settings": kw}
 
@@ -127,7 +130,7 @@ def main() -> int:
         code = proc.wait(120)
     summary = {"command": "python bench/serve_stress.py " + " ".join(sys.argv[1:]), "server": " ".join(cmd[1:]),
                "streams": len(rows), "completed": sum(r["status"] == 200 and not r["lost"] for r in rows),
-               "lost": sum(bool(r["lost"]) for r in rows), "5xx": sum((r["status"] or 500) >= 500 for r in rows),
+               "lost": sum(bool(r["lost"]) for r in rows), "5xx": sum((r["status"] or 0) >= 500 for r in rows),
                "other_status": sorted({r["status"] for r in rows if r["status"] not in (200, None)}),
                "poison": [{"fields": list(kw), "status": s} for kw, s in zip(POISON, poison_status)],
                "wall_s": round(wall, 1), "max_stream_s": max(r["s"] for r in rows),

@@ -74,16 +74,6 @@ def save_token_ranking(out_dir: str | os.PathLike, ids: list[int], source: str) 
     return path
 
 
-def default_draft_vocab(drafter, requested: int | None = None) -> int:
-    """`requested` if given (0 = all ids); else 16384 (99.5 % of the bundled drafter's training response tokens)
-    when the drafter ships a ranking that long and drafts over the full vocabulary, else 0."""
-    if requested is not None:
-        return requested
-    if drafter is None or drafter.d2t is not None or drafter.token_ranking is None:
-        return 0
-    return 16384 if len(drafter.token_ranking) >= 16384 else 0
-
-
 def load_token_ranking(path: str | os.PathLike) -> list[int] | None:
     """The ids of a drafter directory's `token_ranking.json`, or None if it has none."""
     f = Path(path) / RANKING
