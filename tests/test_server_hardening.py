@@ -188,6 +188,7 @@ def test_a_chunked_body_over_the_limit_gets_413(server):
     (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     (chat(max_tokens=5000), "--max-len"),
     ('{"messages": [{"role": "user", "content": "\\ud800"}]}', "surrogate"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\udc00"]}', "surrogate"),
     (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', ""),
 ])
 def test_limits_and_odd_input_get_openai_style_400(server, body, message):

@@ -245,7 +245,7 @@ class DecodeBatch:
         path = torch.cat([path, path[:, -1:].expand(b, R - path.shape[1])], dim=1)  # [b, R]
         committed = choices.gather(1, path)  # [b, R]; the first a+1 are this step's tokens
         host = torch.cat([committed, a[:, None], path], dim=1).tolist()  # the one host sync
-        lps = token_logprobs(logits.gather(1, path[:, :, None].expand(b, R, logits.shape[-1])), committed, self.seqs)
+        lps = token_logprobs(logits, committed, self.seqs, nodes=path)
         depth = torch.arange(R, device=dev)
         # Bring the accepted path to slot == position (a branch node's K/V sits m slots further right).
         if any(row[R + 1 + d] != d for row in host for d in range(row[R] + 1)):
@@ -272,13 +272,16 @@ class DecodeBatch:
         return out
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[SeqState]) -> list | None:
-    """logits [b, T, V], tokens [b, T] -> per row, per token: (its log-probability under the target's raw
-    distribution, the k most likely (id, log-probability)), k = the row's `logprobs_k`. None when no row asked
-    (the common case: no extra work, no extra host sync)."""
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[SeqState],
+                   nodes: torch.Tensor | None = None) -> list | None:
+    """logits [b, W, V] (the rows of `nodes` [b, T] if given, else all W = T), tokens [b, T] -> per row, per token:
+    (its log-probability under the target's raw distribution, the k most likely (id, log-probability)), k = the
+    row's `logprobs_k`. None when no row asked (the common case: no extra work, no extra host sync)."""
     ks = [s.logprobs_k for s in seqs if s.logprobs_k is not None and not s.finished]
     if not ks:
         return None
+    if nodes is not None:
+        logits = logits.gather(1, nodes[:, :, None].expand(*nodes.shape, logits.shape[-1]))
     lp = logits.float().log_softmax(-1)
     chosen = lp.gather(-1, tokens[..., None])[..., 0].tolist()
     top_v, top_i = lp.topk(max(max(ks), 1), dim=-1)

@@ -87,6 +87,13 @@ class Common(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=128)
 
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        for x in [v] if isinstance(v, str) else v or []:
+            _valid_text(x)
+        return v
+
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -130,8 +137,6 @@ def check_limits(req: Common, limits: Limits) -> str | None:
     stops = req.stops()
     if len(stops) > limits.max_stop or any(len(x) > limits.max_stop_chars for x in stops):
         return f"at most {limits.max_stop} stop strings of at most {limits.max_stop_chars} characters each"
-    for x in stops:
-        _valid_text(x)
     if req.n > limits.max_n:
         return f"n = {req.n} exceeds the server's limit of {limits.max_n}"
     k = req.logprobs_k()
