@@ -123,3 +123,18 @@ def test_cli_data_generate_regenerates_responses_and_resumes(tmp_path):
     first = (tmp_path / "data" / "heldout-00000.npz").stat().st_mtime_ns
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)  # finished chunks are kept
     assert again.returncode == 0 and (tmp_path / "data" / "heldout-00000.npz").stat().st_mtime_ns == first
+
+
+def test_cli_bench_and_export_run_end_to_end(tmp_path, capsys):
+    """`dflashkit bench` and `dflashkit export` through the CLI entry point (their flag handling changed)."""
+    from dflashkit.cli import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", "--dataset", "humaneval", "--limit", "1", "--max-new-tokens", "4", "--block-size", "4",
+                 "--methods", "ar,dflash,dflash-lookup", "--dtype", "float32", "--noise-prompts", "1",
+                 "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["results"]["humaneval"]
+    assert {"ar", "dflash-b4", "dflash-b4-tree20p0.03-lookup16"} <= set(rows)  # the CLI's default tree and lookup
+    assert main(["export", "--format", "zlab", "--out", str(tmp_path / "zlab")]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["format"] == "zlab"
+    assert (tmp_path / "zlab" / "config.json").is_file()
