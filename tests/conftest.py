@@ -5,6 +5,7 @@ import torch
 from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config)
 
 from dflashkit import DFlashConfig, DFlashDrafter, Target
+from dflashkit.backends.lean import LeanTarget
 
 VOCAB = 96
 
@@ -23,7 +24,8 @@ def tiny_config(arch: str):
     raise ValueError(arch)
 
 
-def make_target(arch: str, dtype=torch.float64, seed: int = 0) -> Target:
+def make_target(arch: str, dtype=torch.float64, seed: int = 0, backend: str = "hf") -> Target:
+    """A tiny random target; backend "hf" (transformers' modules) or "lean" (dflashkit's own forward)."""
     torch.manual_seed(seed)
     cfg = tiny_config(arch)
     cfg._attn_implementation = "sdpa"
@@ -33,7 +35,8 @@ def make_target(arch: str, dtype=torch.float64, seed: int = 0) -> Target:
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
-    return Target(model.to(dtype))
+    model = model.to(dtype)
+    return LeanTarget(model) if backend == "lean" else Target(model)
 
 
 def make_drafter(target: Target, block_size: int = 8, layers: int = 2, seed: int = 1, mask_token_id: int = 3,
@@ -50,6 +53,12 @@ ARCHS = ["llama", "qwen3", "gemma3"]
 
 @pytest.fixture(params=ARCHS)
 def arch(request):
+    return request.param
+
+
+@pytest.fixture(params=["hf", "lean"])
+def backend(request):
+    """The lossless tests run on both target backends."""
     return request.param
 
 

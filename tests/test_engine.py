@@ -45,8 +45,8 @@ def reference_runs(engine, prompts, n):
     return ar, {i: list(p) + g.tokens for i, (p, g) in enumerate(zip(prompts, ar))}
 
 
-def test_block_size_one_equals_transformers_generate(arch):
-    t = make_target(arch)
+def test_block_size_one_equals_transformers_generate(arch, backend):
+    t = make_target(arch, backend=backend)
     eng = DFlashEngine(t, eos_token_ids=[], config=PLAIN)
     for p, g in zip(PROMPTS, eng.generate(PROMPTS, max_new_tokens=24)):
         ids = torch.tensor([p])
@@ -57,8 +57,8 @@ def test_block_size_one_equals_transformers_generate(arch):
 
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 @pytest.mark.parametrize("oracle", [False, True])
-def test_greedy_lossless_batch_and_single(arch, block_size, oracle):
-    t = make_target(arch)
+def test_greedy_lossless_batch_and_single(arch, block_size, oracle, backend):
+    t = make_target(arch, backend=backend)
     eng = DFlashEngine(t, make_drafter(t, block_size=block_size), eos_token_ids=[], config=PLAIN)
     ar, ref = reference_runs(eng, PROMPTS, 40)
     if oracle:
@@ -115,10 +115,10 @@ def test_stop_string_inside_a_block():
     assert g.text == text[:first]
 
 
-def test_caches_hold_exactly_the_committed_context(arch):
+def test_caches_hold_exactly_the_committed_context(arch, backend):
     """After every step: target K/V slots [0, start) equal a fresh forward of the committed tokens, and
     at every draft call the draft cache slots [0, start) equal the drafter's K/V of fresh features."""
-    t = make_target(arch)
+    t = make_target(arch, backend=backend)
     dr = make_drafter(t, block_size=4)
     eng = DFlashEngine(t, dr, eos_token_ids=[], config=PLAIN)
     ar, ref = reference_runs(eng, PROMPTS, 20)
@@ -221,10 +221,10 @@ def test_rows_finishing_at_different_times_in_a_big_batch():
     assert [g.tokens for g in out] == [a.tokens[:n] for a, n in zip(ar, limits)]
 
 
-def test_sequences_join_and_leave_a_running_batch(arch):
+def test_sequences_join_and_leave_a_running_batch(arch, backend):
     """Continuous batching: rows added between steps, and a cancelled row, leave every other row's output
     exactly what it is alone (float64, greedy, drafts partly accepted)."""
-    t = make_target(arch)
+    t = make_target(arch, backend=backend)
     eng = DFlashEngine(t, make_drafter(t, block_size=4), eos_token_ids=[], config=PLAIN)
     ar, ref = reference_runs(eng, PROMPTS, 24)
     with_oracle(eng, ref, keep=0.7)

@@ -66,6 +66,48 @@ def test_greedy_speculative_matches_autoregressive_up_to_near_ties(real, capsys)
         print(f"\n[real SmolLM2, float32] {near_ties} of {len(runs)} greedy outputs diverge, all at near-ties")
 
 
+def test_lean_float32_logits_equal_transformers_on_real_text(real):
+    """The lean forward computes SmolLM2 as transformers does: prefill and a verify block over the cache, in float32,
+    as close to the float64 truth as transformers' own float32 (whose eager and sdpa paths differ by ~8e-5)."""
+    eng, tok = real
+    hf = load_target(dtype="float32", backend="hf")[0]
+    lean = eng.target
+    assert type(lean).__name__ == "LeanTarget"  # auto picks the lean backend for the default target
+    ids = torch.tensor([encode_chat(tok, PROMPTS[0]) + encode_chat(tok, PROMPTS[2])])
+    S = ids.shape[1]
+    ref, truth = hf.reference_logits(ids), load_target(dtype="float64", backend="hf")[0].reference_logits(ids)
+    cache = lean.new_cache(1, S)
+    lean.forward(ids[:, :S - 16], torch.arange(S - 16)[None], cache, kv_len=S - 16, taps=False)
+    h, _ = lean.forward(ids[:, S - 16:], torch.arange(S - 16, S)[None], cache, kv_len=S, taps=False)
+    full, block = lean.reference_logits(ids), lean.logits(h)
+    hf_err = (ref.double() - truth).abs().max()
+    assert (full.double() - truth).abs().max() <= 1.5 * hf_err
+    assert (block.double() - truth[:, S - 16:]).abs().max() <= 1.5 * hf_err
+    assert (full - ref).abs().max() <= 3e-4 and (block - ref[:, S - 16:]).abs().max() <= 3e-4
+
+
+def test_bf16_speculative_output_is_bitwise_autoregressive_on_the_real_target(capsys):
+    """bfloat16, the default dtype: the measured self-check says the lean kernels are batch-invariant here, and
+    the chain and the default tree + lookup give exactly AR's tokens (no near-tie allowance)."""
+    from dflashkit.invariance import measure
+
+    target, tok = load_target(dtype="bfloat16")
+    inv = measure(target)
+    assert inv.exact, f"the lean kernels are not batch-invariant on this machine: {inv}"
+    drafter, _ = load_default_drafter(target, tok)
+    prompts = [encode_chat(tok, p) for p in PROMPTS]
+    ar = DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig.autoregressive()).generate(
+        prompts, max_new_tokens=48)
+    chain = DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig()).generate(prompts, max_new_tokens=48)
+    tree = DFlashEngine(target, drafter, tokenizer=tok).generate(prompts, max_new_tokens=48)
+    assert [g.tokens for g in chain] == [g.tokens for g in ar]
+    assert [g.tokens for g in tree] == [g.tokens for g in ar]
+    assert sum(g.stats.tau for g in tree) / len(tree) > 1.5
+    with capsys.disabled():
+        print(f"\n[real SmolLM2, bfloat16, lean] chain and tree+lookup == AR on {len(prompts)} prompts, tau "
+              f"{sum(g.stats.tau for g in chain) / 3:.2f} / {sum(g.stats.tau for g in tree) / 3:.2f}")
+
+
 def test_cli_generate_json_and_stop_string():
     cmd = [sys.executable, "-m", "dflashkit.cli", "generate", "--prompt", PROMPTS[1], "--max-new-tokens", "40",
            "--json", "--dtype", "float32"]

@@ -2,9 +2,9 @@
 
 The marginal of each of the first 4 emitted tokens under speculative sampling (block 4, with drafts that
 are often accepted) is compared with the EXACT marginal, computed by enumerating every prefix of the
-tiny target (vocab 12). One chi-square test per (setting, position): 3 settings (two plain blocks, one with a
-lookup branch) x 4 positions = 12 tests at alpha = 1e-3 each, so the file raises a false alarm with probability
-<= 1.2 %.
+tiny target (vocab 12). One chi-square test per (setting, position, backend): 4 settings (two plain blocks, a lookup
+branch, a drafter tree) x 4 positions x 2 target backends = 32 tests at alpha = 1e-3 each, so the file raises a
+false alarm with probability <= 3.2 %.
 """
 
 import numpy as np
@@ -14,6 +14,7 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from dflashkit import DecodeConfig, DFlashEngine, SamplingParams, Target
+from dflashkit.backends.lean import LeanTarget
 from dflashkit.sampling import Sampler
 
 from conftest import make_drafter
@@ -22,7 +23,7 @@ V, N_SAMPLES, N_TOKENS, ALPHA = 12, 20_000, 4, 1e-3
 PROMPT = [1, 5, 7]
 
 
-def small_target():
+def small_target(backend: str = "hf"):
     torch.manual_seed(3)
     cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
@@ -31,7 +32,8 @@ def small_target():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.3)
-    return Target(model.double())
+    # tail_depth 4 >= the deepest node of these trees (block 4, lookup 3): bit-identical, and cheap at batch 2000
+    return LeanTarget(model.double(), tail_depth=4) if backend == "lean" else Target(model.double())
 
 
 def exact_marginals(t: Target, params: SamplingParams):
@@ -101,8 +103,8 @@ def assert_sampling_matches_target(eng: DFlashEngine, t: Target, params: Samplin
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8)])
-def test_speculative_sampling_matches_target_distribution(params):
-    t = small_target()
+def test_speculative_sampling_matches_target_distribution(params, backend):
+    t = small_target(backend)
     eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3), eos_token_ids=[], config=DecodeConfig())
     greedy_oracle(eng, t)
     assert_sampling_matches_target(eng, t, params, seed=1234)
@@ -157,10 +159,10 @@ def lookup_oracle(t: Target, k: int):
     return fake
 
 
-def test_speculative_sampling_with_a_lookup_branch_matches_target_distribution():
+def test_speculative_sampling_with_a_lookup_branch_matches_target_distribution(backend):
     from dflashkit.lookup import LookupParams
 
-    t = small_target()
+    t = small_target(backend)
     eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3), eos_token_ids=[],
                        config=DecodeConfig(lookup=LookupParams(max_tokens=3)))
     greedy_oracle(eng, t)
@@ -174,10 +176,10 @@ def test_speculative_sampling_with_a_lookup_branch_matches_target_distribution()
     assert_sampling_matches_target(eng, t, SamplingParams(temperature=1.0), seed=4321)
 
 
-def test_speculative_sampling_with_a_drafter_tree_matches_target_distribution():
+def test_speculative_sampling_with_a_drafter_tree_matches_target_distribution(backend):
     """A tree of the target's 2nd/3rd choices beside its argmax chain: a sample that leaves the argmax is often
     still accepted, down a side branch."""
-    t = small_target()
+    t = small_target(backend)
     eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3), eos_token_ids=[],
                        config=DecodeConfig(tree=6))
     greedy_oracle(eng, t)

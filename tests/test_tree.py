@@ -115,8 +115,8 @@ def with_lookup_oracle(eng, reference, keep=0.7, seed=0):
 
 @pytest.mark.parametrize("block_size,lookup,skip", [(1, 5, 0), (4, 6, 0), (8, 3, 0), (4, 6, 2)])
 @pytest.mark.parametrize("oracle", [False, True])
-def test_greedy_lossless_with_a_lookup_branch(arch, block_size, lookup, skip, oracle, monkeypatch):
-    t_ = make_target(arch)
+def test_greedy_lossless_with_a_lookup_branch(arch, block_size, lookup, skip, oracle, monkeypatch, backend):
+    t_ = make_target(arch, backend=backend)
     dr = make_drafter(t_, block_size=max(block_size, 2))
     plain = DFlashEngine(t_, dr, eos_token_ids=[], config=DecodeConfig())
     ar, ref = reference_runs(plain, PROMPTS, 40)
@@ -135,10 +135,10 @@ def test_greedy_lossless_with_a_lookup_branch(arch, block_size, lookup, skip, or
         assert sum(g.stats.tau for g in batch) / len(batch) > 1.5
 
 
-def test_tree_steps_keep_both_caches_exact(arch, monkeypatch):
+def test_tree_steps_keep_both_caches_exact(arch, monkeypatch, backend):
     """After every tree step the target K/V of slots [0, start) equal a fresh forward of the committed tokens
     (an accepted branch was moved to slot == position), and at every draft call so do the drafter's."""
-    t_ = make_target(arch)
+    t_ = make_target(arch, backend=backend)
     dr = make_drafter(t_, block_size=4)
     eng = DFlashEngine(t_, dr, eos_token_ids=[], config=DecodeConfig(lookup=LookupParams(max_tokens=5)))
     ar, ref = reference_runs(eng, PROMPTS, 24)
@@ -235,8 +235,8 @@ def test_a_lookup_branch_merges_into_a_drafter_tree_path():
 @pytest.mark.parametrize("block_size,n,lookup,p_min", [(4, 6, 0, 0), (8, 5, 4, 0), (16, 12, 0, 0), (4, 3, 5, 0),
                                                       (8, 10, 4, 0.02)])
 @pytest.mark.parametrize("oracle", [False, True])
-def test_greedy_lossless_with_a_drafter_tree(arch, block_size, n, lookup, p_min, oracle, monkeypatch):
-    t_ = make_target(arch)
+def test_greedy_lossless_with_a_drafter_tree(arch, block_size, n, lookup, p_min, oracle, monkeypatch, backend):
+    t_ = make_target(arch, backend=backend)
     dr = make_drafter(t_, block_size=block_size)
     plain = DFlashEngine(t_, dr, eos_token_ids=[], config=DecodeConfig())
     ar, ref = reference_runs(plain, PROMPTS, 40)
@@ -255,8 +255,8 @@ def test_greedy_lossless_with_a_drafter_tree(arch, block_size, n, lookup, p_min,
         assert sum(g.stats.tau for g in batch) / len(batch) > 1.8
 
 
-def test_drafter_tree_steps_keep_both_caches_exact(arch):
-    t_ = make_target(arch)
+def test_drafter_tree_steps_keep_both_caches_exact(arch, backend):
+    t_ = make_target(arch, backend=backend)
     dr = make_drafter(t_, block_size=8)
     eng = DFlashEngine(t_, dr, eos_token_ids=[], config=DecodeConfig(tree=8))
     ar, ref = reference_runs(eng, PROMPTS, 24)

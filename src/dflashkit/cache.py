@@ -14,17 +14,19 @@ import torch
 
 
 class PositionCache:
-    """Preallocated K/V, one [B, kvh, S, hd] pair per layer, indexed by absolute position.
+    """Preallocated K/V, one [B, kvh, S, hd] pair per layer (values [B, kvh, S, value_dim] when a backend stores
+    more per value row, see backends/lean.py), indexed by absolute position.
 
     Its public methods are the whole cache API a backend and the decoding loop use: `write` (a forward's new
     K/V), `select` / `extend` (rows leave / join the batch) and `move` (an accepted tree path to slot == position).
     """
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, value_dim: int | None = None):
         shape = (batch, num_kv_heads, max_len, head_dim)
+        vshape = (batch, num_kv_heads, max_len, value_dim or head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(vshape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
         self._rows = torch.arange(batch, device=device)
 

@@ -19,6 +19,10 @@ def _add_target_flags(p: argparse.ArgumentParser, drafter: bool = True) -> None:
         p.add_argument("--drafter", default=None, help="Z Lab-format drafter directory (default: the bundled drafter)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"],
+                   help="target forward: lean = dflashkit's batch-invariant forward (bit-identical speculative "
+                        "output in bf16; Llama, Qwen3, Gemma 3), hf = transformers' modules; auto = lean where it "
+                        "applies (default: %(default)s)")
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -60,11 +64,20 @@ def decode_config(args, block_size: bool = True):
                         tree_min_prob=args.tree_min_prob, draft_vocab=args.draft_vocab, lookup=lookup)
 
 
+def exactness_label(target) -> str:
+    """What 'identical to AR' rests on here: bitwise (measured batch-invariant kernels) or the near-tie rule."""
+    inv = getattr(target, "batch_invariant", None)
+    if inv:
+        return "bitwise (verified logits equal one-token logits on this machine: any difference is a bug)"
+    return "near-tie rule (this backend/dtype is not batch-invariant here: outputs may part at rounding ties)"
+
+
 def load_target_and_drafter(args):
     """(target, tokenizer, drafter or None, drafter_trained) from the target flags (`loader.load_models`)."""
     from .loader import load_models as load
 
-    return load(args.target, getattr(args, "drafter", None), dtype=args.dtype, device=args.device)
+    return load(args.target, getattr(args, "drafter", None), dtype=args.dtype, device=args.device,
+                backend=getattr(args, "backend", "auto"))
 
 
 def load_models(args):
@@ -96,6 +109,8 @@ def cmd_generate(args) -> int:
     stats["lookup"] = engine.config.lookup.max_tokens
     stats["tree"] = engine.config.tree
     stats["drafter_trained"] = trained
+    stats["backend"] = type(engine.target).__name__
+    stats["exactness"] = exactness_label(engine.target)
     if ar is not None:
         stats["ar_tokens_per_s"] = round(ar.stats.tokens_per_s, 3)
         ar_tps = ar.stats.tokens_per_s
@@ -123,12 +138,16 @@ def cmd_generate(args) -> int:
     if "ar_tokens_per_s" in stats:
         print(f"[stats] autoregressive (block size 1, no lookup, same engine): {stats['ar_tokens_per_s']:.1f} tok/s -> "
               f"speedup {stats['speedup_vs_ar']}x; identical output: {stats['identical_to_ar']}")
+        print(f"[stats] exactness on this machine ({stats['backend']}, {args.dtype}): {stats['exactness']}")
         d = stats.get("first_difference")
-        if d:
+        if d and getattr(engine.target, "batch_invariant", None):
+            print(f"[stats] BUG: the outputs part at token {d['index']} although this machine's kernels were measured "
+                  "batch-invariant; please report it with this prompt.")
+        elif d:
             print(f"[stats] the outputs part at token {d['index']}, where the target's top-2 logits differ by "
                   f"{d['gap']:.4f} ({'a near-tie' if d['near_tie'] else 'NOT a near-tie'}: {args.dtype} rounds a block "
                   f"forward differently from a one-token forward; limit {d['threshold']:.4f}). "
-                  "Use --dtype float32 for bit-closer paths.")
+                  "Use --backend lean (bit-identical where supported) or --dtype float32 for bit-closer paths.")
     return 0
 
 
@@ -149,7 +168,7 @@ def cmd_data_generate(args) -> int:
     from .sampling import SamplingParams
 
     # Plain AR over big batches: the data is the target's own output, and speculation does not pay at batch 64.
-    target, tok = load_target(args.target, dtype=args.dtype, device=args.device)
+    target, tok = load_target(args.target, dtype=args.dtype, device=args.device, backend=args.backend)
     engine = DFlashEngine(target, None, tokenizer=tok, config=DecodeConfig.autoregressive())
     records = read_prompts(args.prompts)
     for split in args.split:
@@ -184,7 +203,8 @@ def cmd_bench(args) -> int:
                       temperature=temps[0], temperatures=temps[1:], batch_sizes=args.batch_size or [],
                       methods=methods, out=args.out,
                       target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
-                      speed_bench_dir=args.speed_bench_dir, noise_prompts=args.noise_prompts, decode=decode,
+                      backend=args.backend, speed_bench_dir=args.speed_bench_dir, noise_prompts=args.noise_prompts,
+                      decode=decode,
                       lookup_block_sizes=args.lookup_block_size or [], command="dflashkit " + " ".join(sys.argv[1:]))
     report = write_report(run_bench(cfg), args.out)
     print(markdown(report))
@@ -279,9 +299,7 @@ def _generate_and_data_parsers(sub) -> None:
     dg.add_argument("--prompts", required=True, help="prompts.jsonl from `dflashkit data prompts`")
     dg.add_argument("--out", required=True)
     dg.add_argument("--split", action="append", default=None, choices=["train", "heldout"])
-    dg.add_argument("--target", default=None)
-    dg.add_argument("--device", default="cpu")
-    dg.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"])
+    _add_target_flags(dg, drafter=False)
     dg.add_argument("--chunk-size", type=int, default=64, help="prompts per chunk (= batch size)")
     dg.add_argument("--max-prompt-tokens", type=int, default=192)
     dg.add_argument("--max-new-tokens", type=int, default=320)

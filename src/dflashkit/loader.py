@@ -138,10 +138,39 @@ def load_tokenizer(target_dir: Path):
     return AutoTokenizer.from_pretrained(target_dir)
 
 
+BACKENDS = ("auto", "lean", "hf")
+
+
+def make_target(model, backend: str = "auto") -> HFTarget:
+    """The backend for an HF model: `lean` (our batch-invariant forward, backends/lean.py) where it implements the
+    architecture, else `hf`; `auto` picks lean when it can."""
+    from .backends.lean import SUPPORTED, LeanTarget
+
+    if backend not in BACKENDS:
+        raise DFlashError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    if backend == "lean" or (backend == "auto" and arch in SUPPORTED):
+        return LeanTarget(model)
+    return HFTarget(model)
+
+
+def check_exactness(target, target_dir: Path):
+    """Measure (once per machine, torch build, model and dtype; cached) whether verified logits equal one-token
+    logits bit for bit here (`invariance.py`); sets `target.batch_invariant` and returns the `Invariance`."""
+    from .invariance import check
+
+    cfg = target_dir / "config.json"
+    digest = hashlib.sha256(cfg.read_bytes()).hexdigest()[:16] if cfg.is_file() else ""
+    return check(target, f"{target_dir.resolve()}:{digest}", cache_dir() / "invariance.json")
+
+
 def load_target(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32",
-                device: str = "cpu") -> tuple[HFTarget, object]:
+                device: str = "cpu", backend: str = "auto", check: bool = False) -> tuple[HFTarget, object]:
+    """(target, tokenizer). backend: auto | lean | hf (`make_target`); check: run the exactness self-check."""
     from transformers import AutoModelForCausalLM
 
+    if backend not in BACKENDS:  # before the weights load
+        raise DFlashError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     target_dir = resolve_target_dir(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=parse_dtype(dtype), attn_implementation="sdpa")
@@ -152,7 +181,10 @@ def load_target(path: str | os.PathLike | None = None, dtype: str | torch.dtype 
     except (OSError, ValueError, TypeError) as e:  # a bare model directory: training can do without one
         log.warning("no tokenizer in %s (%s); prompts must be given as token ids", target_dir, e)
         tok = None
-    return HFTarget(model.to(device)), tok
+    target = make_target(model.to(device), backend)
+    if check:
+        check_exactness(target, target_dir)
+    return target, tok
 
 
 def choose_mask_token_id(tokenizer) -> int:
@@ -201,13 +233,14 @@ def load_default_drafter(target: HFTarget, tokenizer) -> tuple[DFlashDrafter, bo
 
 
 def load_models(target: str | None = None, drafter: str | None = None, dtype: str = "bfloat16",
-                device: str = "cpu") -> tuple[HFTarget, object, DFlashDrafter | None, bool]:
+                device: str = "cpu", backend: str = "auto",
+                check: bool = True) -> tuple[HFTarget, object, DFlashDrafter | None, bool]:
     """(target, tokenizer, drafter or None, drafter_trained) as the CLI and the bench resolve them: `drafter` if
     given; else the bundled drafter for the default target; else None (the bundled drafter is SmolLM2's, so a
     custom target without a drafter runs block size 1 only)."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise DFlashError(f"--device {device} but this torch build sees no CUDA device; use --device cpu.")
-    tgt, tok = load_target(target, dtype=dtype, device=device)
+    tgt, tok = load_target(target, dtype=dtype, device=device, backend=backend, check=check)
     if drafter:
         return tgt, tok, load_drafter(drafter, dtype=parse_dtype(dtype), device=device), True
     if target is None:

@@ -4,7 +4,8 @@
 the engine, the proposers, the bench and the server call only these members, and a K/V cache only through
 `PositionCache`'s public methods (`write`, `select`, `extend`, `move`).
 
-Backends: `hf.HFTarget` (any Hugging Face causal LM, the reference and the fallback).
+Backends: `lean.LeanTarget` (our batch-invariant forward for Llama, Qwen3 and Gemma 3; the default where it
+applies) and `hf.HFTarget` (any Hugging Face causal LM, the reference and the fallback).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ class TargetModel(Protocol):
     vocab_size: int
     max_positions: int  # the context the target supports
     tap_ids: list[int]  # the layers `forward` / `taps` return, in this order
+    # Whether a token's logits have the same bits verified in a block / tree as decoded alone, as measured on this
+    # machine (`invariance.check`); None = not measured. True makes greedy speculative output equal AR bitwise.
+    batch_invariant: bool | None
 
     @property
     def dtype(self) -> torch.dtype: ...

@@ -80,6 +80,7 @@ class HFTarget:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._taps: dict[int, torch.Tensor] = {}
         self._capture = False  # hooks record tapped outputs only inside forward()/taps()
+        self.batch_invariant: bool | None = None  # measured by invariance.check (loader.check_exactness)
         self.tap_ids: list[int] = []
         self.set_taps(tap_ids or [])
 

@@ -14,6 +14,10 @@ def markdown(report: dict) -> str:
             mm_s = f"{mm['count']} ({mm['near_ties']})" if mm else "-"
             lines.append(f"| {d} | {m} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} | "
                          f"{r['tpot_ms'] or 0:.1f} | {r['ttft_ms'] or 0:.0f} | {mm_s} |")
+    mach = report.get("machine", {})
+    if mach.get("exactness") == "bitwise":
+        lines.append(f"\nexactness: bitwise ({mach.get('backend')}, {mach.get('dtype')}: verified logits equal "
+                     "one-token logits on this machine, measured at start-up), so every mismatch vs ar is a bug.")
     for d, rows in report["results"].items():
         nz = rows.get("ar", {}).get("rounding_noise")
         if nz:

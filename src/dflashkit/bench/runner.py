@@ -42,6 +42,7 @@ class BenchConfig:
     drafter: str | None = None
     dtype: str = "bfloat16"
     device: str = "cpu"
+    backend: str = "auto"  # the target forward (`loader.make_target`)
     speed_bench_dir: str | None = None
     noise_prompts: int = 8  # AR outputs (first turns) on which the near-tie bound is measured (`rounding_noise`)
     # the tree / lookup settings of the dflash-lookup, dflash-tree and lookup rows (the same defaults as the CLI)
@@ -109,7 +110,7 @@ def load_models(cfg: BenchConfig) -> BenchContext:
     from ..sampling import SamplingParams
 
     # a custom target without --drafter has no drafter: the non-DFlash methods only
-    target, tok, drafter, _ = load(cfg.target, cfg.drafter, dtype=cfg.dtype, device=cfg.device)
+    target, tok, drafter, _ = load(cfg.target, cfg.drafter, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend)
     engine = DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig())
     return BenchContext(cfg, target, tok, drafter, engine, SamplingParams(temperature=cfg.temperature))
 
@@ -133,6 +134,9 @@ def run_dataset(ctx: BenchContext, methods: dict, items: list[list[str]], dname:
         ar = results["ar" if base is None else f"ar@{base}"]["tokens_per_s"]
         r["speedup_vs_ar"] = round(r["tokens_per_s"] / ar, 4) if ar else None
         if cfg.temperature == 0 and base is None and mname != "ar":
+            if ctx.target.batch_invariant:  # measured bitwise: no rounding noise to allow, any mismatch is a bug
+                r["mismatches_vs_ar"] = mismatches(ctx.target, ctx.tok, items, outputs["ar"], outputs[mname])
+                continue
             if "rounding_noise" not in results["ar"]:
                 results["ar"]["rounding_noise"], _ = calibrate_noise(
                     ctx.target, ctx.tok, items, outputs["ar"], max(cfg.block_sizes), cfg.noise_prompts)
@@ -173,7 +177,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         "skipped": skipped,
         "settings": settings(cfg),
         "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "dtype": cfg.dtype, "device": cfg.device},
+                    "dtype": cfg.dtype, "device": cfg.device, "backend": type(ctx.target).__name__,
+                    "exactness": "bitwise" if ctx.target.batch_invariant else "near-tie rule"},
         "versions": _versions(),
     }
 

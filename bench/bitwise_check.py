@@ -1,0 +1,116 @@
+"""Greedy speculative output vs the engine's own AR output, token for token, in the dtype users run (bfloat16).
+
+For every prompt (first turns of HumanEval and MT-Bench), AR and each speculative configuration decode it alone;
+the row records whether the token ids are identical and, if not, where they part. Resumable: one JSON line per
+(prompt, config) in rows.jsonl; rerun the same command to continue. Writes summary.json, summary.md and
+identical.png into --out. Exactness is judged WITHOUT any near-tie allowance.
+
+    .venv/bin/python bench/bitwise_check.py --humaneval 164 --mtbench 80 --out bench/results/bitwise-bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dflashkit import DecodeConfig, DFlashEngine
+from dflashkit.bench.datasets import load_dataset
+from dflashkit.loader import encode_chat, load_models
+
+CONFIGS = {"chain": DecodeConfig, "default": DecodeConfig.recommended}
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def summarize(rows: list[dict], meta: dict) -> dict:
+    out = {}
+    for cfg in sorted({r["config"] for r in rows}):
+        rs = [r for r in rows if r["config"] == cfg]
+        out[cfg] = {"outputs": len(rs), "identical": sum(r["identical"] for r in rs),
+                    "differing": [r["id"] for r in rs if not r["identical"]],
+                    "tokens": sum(r["tokens"] for r in rs), "tau": round(sum(r["tau"] for r in rs) / len(rs), 3)}
+    return {"meta": meta, "configs": out}
+
+
+def write_reports(summary: dict, out: Path) -> None:
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    m = summary["meta"]
+    lines = [f"Greedy output vs the same engine's AR output, {m['dtype']}, backend {m['backend']}, "
+             f"{m['max_new_tokens']} new tokens, exactness measured at start-up: {m['exactness']}.", "",
+             "| config | outputs | identical to AR | differing | tokens | mean tau |", "|---|---|---|---|---|---|"]
+    for cfg, r in summary["configs"].items():
+        lines.append(f"| {cfg} | {r['outputs']} | {r['identical']} | {len(r['differing'])} | {r['tokens']} | "
+                     f"{r['tau']:.2f} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary["configs"])
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.bar(names, [summary["configs"][n]["identical"] for n in names], label="identical to AR")
+    ax.bar(names, [len(summary["configs"][n]["differing"]) for n in names],
+           bottom=[summary["configs"][n]["identical"] for n in names], label="differing")
+    ax.set_ylabel("outputs")
+    ax.set_title(f"greedy speculative vs AR, {m['dtype']} ({m['backend']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "identical.png", dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--humaneval", type=int, default=164)
+    ap.add_argument("--mtbench", type=int, default=80)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--configs", default="chain,default", help=f"comma-separated, of {sorted(CONFIGS)}")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--out", default="bench/results/bitwise-bf16")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target, tok, drafter, _ = load_models(dtype=args.dtype, backend=args.backend)
+    items = [(f"humaneval/{i}", t[0]) for i, t in enumerate(load_dataset("humaneval", args.humaneval))]
+    items += [(f"mtbench/{i}", t[0]) for i, t in enumerate(load_dataset("mtbench", args.mtbench))]
+    configs = [c.strip() for c in args.configs.split(",")]
+    meta = {"dtype": args.dtype, "backend": type(target).__name__, "max_new_tokens": args.max_new_tokens,
+            "exactness": "bitwise" if target.batch_invariant else "near-tie rule", "command": " ".join(sys.argv)}
+    path = out / "rows.jsonl"
+    done = {(r["id"], r["config"]) for r in map(json.loads, path.open())} if path.exists() else set()
+    engines = {c: DFlashEngine(target, drafter, tokenizer=tok, config=CONFIGS[c]()) for c in configs}
+    ar_engine = DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig.autoregressive())
+    for pid, prompt in tqdm(items, desc="prompts"):
+        todo = [c for c in configs if (pid, c) not in done]
+        if not todo:
+            continue
+        ids = encode_chat(tok, prompt)
+        ar = ar_engine.generate([ids], max_new_tokens=args.max_new_tokens)[0]
+        with path.open("a") as f:
+            for c in todo:
+                t0 = time.perf_counter()
+                g = engines[c].generate([ids], max_new_tokens=args.max_new_tokens)[0]
+                row = {"id": pid, "config": c, "identical": g.tokens == ar.tokens,
+                       "first_difference": first_difference(ar.tokens, g.tokens), "tokens": len(g.tokens),
+                       "tau": round(g.stats.tau, 3), "seconds": round(time.perf_counter() - t0, 2)}
+                f.write(json.dumps(row) + "\n")  # one line per finished output: a rerun resumes after it
+    rows = [json.loads(x) for x in path.open()]
+    summary = summarize(rows, meta)
+    write_reports(summary, out)
+    print((out / "summary.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""The lean backend: `LeanTarget`, our own forward over an HF model's weights, built to be batch-invariant.
+
+Why it exists: greedy speculative output must equal the engine's own greedy output token for token in the dtype
+users run. That holds by construction when a token's logits have the same bits whether the token is decoded alone
+or verified inside a block (or a tree, or a batch of ragged rows). Hugging Face's eager modules do not give that in
+bfloat16 (their SDPA kernel changes its reduction with the query count). This forward is built only from kernels
+that are row-wise on the CPUs we run on:
+- linears as 2-D `F.linear` over flattened rows (each output row depends on its input row only);
+- attention as two matmuls (q.K^T and p.V, each output row a function of its own query row) around an fp32
+  row softmax, with grouped-query heads folded into rows (no `repeat_kv` copies);
+- the model's own row-wise norms, activations and a precomputed RoPE table indexed by position.
+Whether the kernels really are row-invariant on a given CPU and torch build is a property, not a law: `self_check`
+measures it at load time (`batch_invariant`), and the bench labels outputs accordingly.
+
+It also skips what HF does per call (mask factories, cache objects, hooks, per-layer Python plumbing): qkv and
+gate/up are fused into one linear each (HF's projections become views of the fused weights, so nothing is stored
+twice), K/V go straight into the position-indexed cache, taps are taken inline.
+
+Supported: Llama (incl. SmolLM2), Qwen3 (q/k norms) and Gemma 3 text (sliding window,
+sandwich norms). Anything else stays on `HFTarget`, the reference and the fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import PositionCache
+from ..errors import DFlashError
+from .hf import HFTarget
+
+log = logging.getLogger(__name__)
+
+SUPPORTED = {"LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"}
+
+
+def _rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T as ONE 2-D matmul over flattened rows (a 3-D input with odd strides takes a
+    bmm path that copies the weight, and is not guaranteed row-wise)."""
+    return F.linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, Q, h, hd]; cos/sin [B, Q, 1, hd]: NeoX-style rotary (halves), in x's dtype as HF computes it."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class _Layer:
+    """One decoder layer's weights, fused: wqkv [(h + 2 kvh) hd, H], wgu [2 I, H]; norms are the model's own."""
+
+    def __init__(self, layer, attn_type: str):
+        a, m = layer.self_attn, layer.mlp
+        self.wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        self.wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+        self.wo, self.wdown = a.o_proj.weight, m.down_proj.weight
+        # HF's projections become views into the fused tensors: the HF model (reference, training taps) keeps
+        # working and the weights are stored once.
+        nq, nk = a.q_proj.weight.shape[0], a.k_proj.weight.shape[0]
+        for mod, w in ((a.q_proj, self.wqkv[:nq]), (a.k_proj, self.wqkv[nq:nq + nk]), (a.v_proj, self.wqkv[nq + nk:]),
+                       (m.gate_proj, self.wgu[:m.gate_proj.weight.shape[0]]),
+                       (m.up_proj, self.wgu[m.gate_proj.weight.shape[0]:])):
+            mod.weight = torch.nn.Parameter(w, requires_grad=False)
+        self.split = (nq, nk, nk)
+        self.ln_in, self.ln_post_attn = layer.input_layernorm, layer.post_attention_layernorm
+        # Gemma 3 "sandwich" norms: post-attention norm BEFORE the residual add, and a pre/post pair around the MLP.
+        self.ln_pre_ff = getattr(layer, "pre_feedforward_layernorm", None)
+        self.ln_post_ff = getattr(layer, "post_feedforward_layernorm", None)
+        self.q_norm, self.k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        self.act = m.act_fn
+        self.scaling = float(getattr(a, "scaling", a.head_dim ** -0.5))
+        self.attn_type = attn_type
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = _rows(x, self.wgu).chunk(2, dim=-1)
+        return _rows(self.act(g) * u, self.wdown)
+
+
+# Each query's keys are read in two parts, split at a position that depends on the query's position p only:
+#   split(p) = max(p - tail_depth, 0),
+# the HEAD [0, split) in place (committed tokens: slot == position in every kind of step) and the TAIL [split, p]
+# gathered into tail_depth + 1 keys in position order. A draft node at depth <= tail_depth has all its in-block
+# ancestors in its tail, so a tree verify computes exactly what one-token decoding computes. A deeper node is still
+# verified correctly, only not necessarily bit-identically.
+TAIL_DEPTH = 32  # the default: deeper than the deepest default tree (block 16, lookup 16)
+ROPE_CHUNK = 1024
+
+
+@dataclass
+class _Split:
+    head: torch.Tensor  # [B, 1, Q, 1, S] additive mask: 0 where the key is visible and before the query's split
+    tail: torch.Tensor  # [B, 1, Q, 1, L] additive mask over the gathered tail keys
+    tail_rows: torch.Tensor  # [B * kvh * Q * L] rows of a cache layer viewed as [B * kvh * max_len, hd]: the slot
+    #                          holding the tail's j-th position, per kv head (slot 0 where masked)
+
+    @staticmethod
+    def build(vis: torch.Tensor, rel: torch.Tensor, dtype: torch.dtype, kvh: int, max_len: int, L: int) -> "_Split":
+        """vis [B, Q, S] bool: key visible to query; rel [B, Q, S]: key position - query split; L: tail length."""
+        B, Q, S = vis.shape
+        f = torch.promote_types(dtype, torch.float32)
+        in_tail = vis & (rel >= 0)
+        j = torch.where(in_tail, rel, L).clamp(max=L)  # bucket L collects everything else
+        slot = torch.zeros((B, Q, L + 1), dtype=torch.long, device=vis.device)
+        slot.scatter_(2, j, torch.arange(S, device=vis.device).expand(B, Q, S))  # one visible key per position
+        valid = torch.zeros((B, Q, L + 1), dtype=torch.bool, device=vis.device).scatter_(2, j, in_tail)
+        zero = torch.zeros((), dtype=f, device=vis.device)
+        head = torch.where(vis & (rel < 0), zero, float("-inf"))[:, None, :, None]
+        tail = torch.where(valid[..., :L], zero, float("-inf"))[:, None, :, None]
+        # Masked tail entries read slot 0 (finite K/V: exp(-inf) = 0 times a finite value adds an exact zero).
+        slot = torch.where(valid[..., :L], slot[..., :L], 0).view(B, 1, Q * L)
+        base = (torch.arange(B, device=vis.device)[:, None, None] * kvh
+                + torch.arange(kvh, device=vis.device)[None, :, None]) * max_len
+        return _Split(head, tail, (base + slot).view(-1))
+
+
+class LeanTarget(HFTarget):
+    """`TargetModel` with our own batch-invariant forward; everything else (embedding, head, training taps, the
+    HF generate peer) is inherited from `HFTarget`, whose model stays loaded as the reference."""
+
+    def __init__(self, model, tap_ids: list[int] | None = None, tail_depth: int = TAIL_DEPTH):
+        """tail_depth: draft nodes up to this depth are verified bit-identically to one-token decoding (the cost: a
+        gather of tail_depth + 1 keys per query and layer)."""
+        arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+        if arch not in SUPPORTED:
+            raise DFlashError(f"the lean backend does not implement {arch}; use --backend hf "
+                              f"(supported: {', '.join(sorted(SUPPORTED))}).")
+        super().__init__(model, tap_ids)
+        types = getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers
+        self._layers = [_Layer(layer, t) for layer, t in zip(self.layers, types)]
+        self.num_heads = self.config.num_attention_heads
+        self.tail_depth = tail_depth
+        self.norm = self.decoder.norm
+        self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_len = 0
+        
+
+    # ---- RoPE: one table per layer type, computed once, indexed by position ----------------------------------
+    def _rope_table(self, n: int) -> None:
+        """cos/sin [>= n, hd] for positions 0..n-1. Why a table, grown in fixed chunks: a position's rotary values
+        must have the same bits in every call, and a vectorised cos/sin gives an element different bits depending
+        on where it sits in the tensor; so each position is computed once, always inside the same chunk."""
+        x = torch.zeros(1, dtype=self.dtype, device=self.device)
+        while self._rope_len < n:
+            pos = torch.arange(self._rope_len, self._rope_len + ROPE_CHUNK, device=self.device)[None]
+            for t in {layer.attn_type for layer in self._layers}:
+                rot = self.decoder.rotary_emb
+                cos, sin = rot(x, pos, t) if self._sliding else rot(x, pos)
+                old = self._rope.get(t)
+                self._rope[t] = (cos[0], sin[0]) if old is None else (torch.cat([old[0], cos[0]]),
+                                                                       torch.cat([old[1], sin[0]]))
+            self._rope_len += ROPE_CHUNK
+
+    # ---- the forward -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: PositionCache, kv_len: int | None = None,
+                taps: bool = True, slots: torch.Tensor | None = None, visible: torch.Tensor | None = None):
+        """Same contract as `HFTarget.forward` (see `TargetModel.forward`)."""
+        slots = positions if slots is None else slots
+        kv_len = int(slots.max()) + 1 if kv_len is None else kv_len
+        if kv_len > cache.max_len:
+            raise DFlashError(f"position {kv_len - 1} exceeds the cache ({cache.max_len}); allocate a longer cache.")
+        if cache.max_len > self._rope_len:  # positions never exceed the cache: no host sync on them
+            self._rope_table(cache.max_len)
+        splits = self._splits(positions, slots, kv_len, visible, cache.max_len)
+        x = self.embed(ids)  # [B, Q, H]
+        tapped = {}
+        want = set(self.tap_ids) if taps else set()
+        for i, layer in enumerate(self._layers):
+            cos, sin = (t[positions][:, :, None] for t in self._rope[layer.attn_type])  # [B, Q, 1, hd]
+            a = self._attention(layer, i, layer.ln_in(x), cos, sin, cache, slots, kv_len, splits[layer.attn_type])
+            if layer.ln_pre_ff is not None:
+                x = x + layer.ln_post_attn(a)
+                x = x + layer.ln_post_ff(layer.mlp(layer.ln_pre_ff(x)))
+            else:
+                x = x + a
+                x = x + layer.mlp(layer.ln_post_attn(x))
+            if i in want:
+                tapped[i] = x
+        feats = torch.cat([tapped[i] for i in self.tap_ids], dim=-1) if want else None
+        return self.norm(x), feats
+
+    def _splits(self, positions, slots, kv_len, visible, max_len: int) -> dict[str, _Split]:
+        """Where each query's keys are read from, per layer type (see `_Split`)."""
+        B, Q = positions.shape
+        dev = positions.device
+        slot_pos = torch.arange(kv_len, device=dev).expand(B, kv_len).clone()
+        slot_pos.scatter_(1, slots, positions)  # the position of the token each slot holds
+        vis = (slot_pos[:, None, :] <= positions[:, :, None]) if visible is None else visible[:, 0]  # [B, Q, S]
+        split = (positions - self.tail_depth).clamp(min=0)  # [B, Q]
+        rel = slot_pos[:, None, :] - split[:, :, None]  # [B, Q, S] offset of a key's position in the query's tail
+        out = {}
+        for t in {layer.attn_type for layer in self._layers}:
+            v = vis
+            if t == "sliding_attention":  # the window counts positions, not slots
+                v = vis & (slot_pos[:, None, :] > positions[:, :, None] - self.sliding_window)
+            out[t] = _Split.build(v, rel, self.dtype, self.num_kv_heads, max_len, self.tail_depth + 1)
+        return out
+
+    def _attention(self, layer: _Layer, i: int, h: torch.Tensor, cos, sin, cache: PositionCache,
+                   slots: torch.Tensor, kv_len: int, sp: "_Split") -> torch.Tensor:
+        """h [B, Q, H] normed -> attention output after o_proj [B, Q, H]; writes this layer's K/V at `slots`."""
+        B, Q, _ = h.shape
+        hd, kvh = self.head_dim, self.num_kv_heads
+        g = self.num_heads // kvh
+        q, k, v = _rows(h, layer.wqkv).split(layer.split, dim=-1)
+        q, k, v = q.view(B, Q, -1, hd), k.view(B, Q, kvh, hd), v.view(B, Q, kvh, hd)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        # The value rows carry a trailing 1 (see new_cache): e.[V | 1] yields the softmax numerator AND denominator.
+        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+        cache.write(i, k.transpose(1, 2), v.transpose(1, 2), slots)
+        keys, values = cache.keys[i][:, :, :kv_len], cache.values[i][:, :, :kv_len]  # [B, kvh, S, hd (+1)]
+        f = sp.head.dtype  # fp32 scores for 16-bit weights (HF eager's recipe), the model's dtype otherwise
+        # Grouped-query heads as rows: query head j*g + r uses kv head j (HF's repeat_kv order), so the g heads of
+        # a kv head and their Q queries form one [g*Q, hd] matrix per kv head, no K/V copies.
+        q = q.view(B, Q, kvh, g, hd).permute(0, 2, 3, 1, 4)  # [B, kvh, g, Q, hd]
+        # Head: the keys before each query's split, read in place (slot == position there in every kind of step).
+        sh = torch.matmul(q.reshape(B, kvh, g * Q, hd), keys.transpose(-1, -2)).to(f)  # [B, kvh, g*Q, S]
+        sh = sh.view(B, kvh, g, Q, kv_len).transpose(2, 3) * layer.scaling + sp.head  # [B, kvh, Q, g, S]
+        # Tail: the keys from the split to the query itself, gathered in POSITION order (a tree keeps ancestors at
+        # other slots than one-token decoding does; gathered, both see the same L keys in the same order). Products
+        # and sums run elementwise in fp32 over a fixed L: batched matmuls are not batch-count invariant (measured:
+        # MKL groups fp32 matrices differently, bf16 ones differ with strided operands) and bf16 ones are slow.
+        kt = cache.keys[i].view(-1, hd).index_select(0, sp.tail_rows).view(B, kvh, Q, 1, -1, hd)
+        vt = cache.values[i].view(-1, hd + 1).index_select(0, sp.tail_rows).view(B, kvh, Q, 1, -1, hd + 1)
+        qt = q.transpose(2, 3)[..., None, :].to(f)  # [B, kvh, Q, g, 1, hd]
+        st = (qt * kt.to(f)).sum(-1) * layer.scaling + sp.tail  # [B, kvh, Q, g, L]
+        # Why no torch.softmax: its row sum is vectorised, so a key's lane (its slot mod the vector width) sets the
+        # summation order (measured: 1-ulp denominators, flipped bf16 weights). exp is elementwise and the max
+        # exact; the head's sums run inside a matmul (e.[V | 1]) whose k-loop sees the same keys in the same order
+        # in every kind of step (trailing hidden slots add exact zeros), the tail's over a fixed L.
+        m = torch.maximum(sh.amax(dim=-1), st.amax(dim=-1))[..., None]  # [B, kvh, Q, g, 1]
+        eh = torch.exp(sh - m).to(values.dtype).transpose(2, 3).reshape(B, kvh, g * Q, kv_len)
+        nd = torch.matmul(eh, values).view(B, kvh, g, Q, hd + 1).transpose(2, 3).to(f)  # [B, kvh, Q, g, hd + 1]
+        nd = nd + (torch.exp(st - m)[..., None] * vt.to(f)).sum(-2)
+        o = (nd[..., :hd] / nd[..., hd:]).to(values.dtype)  # [B, kvh, Q, g, hd]
+        o = o.permute(0, 2, 1, 3, 4).reshape(B, Q, self.num_heads * hd)
+        return _rows(o, layer.wo)
+
+    def new_cache(self, batch: int, max_len: int) -> PositionCache:
+        """Value rows are hd + 1 wide: the extra column holds 1.0 (written with each token's V)."""
+        return PositionCache(self.num_layers, batch, self.num_kv_heads, max_len, self.head_dim, self.dtype,
+                             self.device, value_dim=self.head_dim + 1)
+
+    @torch.no_grad()
+    def reference_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The plain causal forward of THIS engine (what an audit compares decoding with), not HF's."""
+        B, S = ids.shape
+        pos = torch.arange(S, device=self.device).expand(B, S)
+        hidden, _ = self.forward(ids.to(self.device), pos, self.new_cache(B, S), kv_len=S, taps=False)
+        return self.logits(hidden)

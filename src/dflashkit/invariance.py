@@ -1,0 +1,156 @@
+"""Batch invariance: does a token get the same logits, bit for bit, decoded alone or verified in a block / tree?
+
+If it does, greedy speculative output equals the engine's own greedy output by construction, in any dtype. That is
+a property of the kernels a backend's forward runs on a given CPU and torch build, so it is measured, not assumed:
+`check(target)` decodes a few random tokens of two ragged rows one at a time (the AR path), then verifies the same
+tokens as one block and as the true path hidden inside a draft tree (ancestors at scattered slots, decoy siblings),
+and compares every logit bitwise. The answer is cached per machine, torch build, model and dtype (a ~1-3 s probe).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+from dataclasses import asdict, dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Invariance:
+    block: bool  # a chain block's logits == one-token decoding's
+    tree: bool  # a tree path's logits (scattered slots, decoys) == one-token decoding's
+    max_diff: float  # the largest |difference| seen (0.0 when invariant)
+
+    @property
+    def exact(self) -> bool:
+        return self.block and self.tree
+
+    def label(self) -> str:
+        return ("bitwise (batch-invariant kernels: verified logits equal one-token logits)" if self.exact else
+                f"near-tie rule (kernels are not batch-invariant here, max logit difference {self.max_diff:.3g})")
+
+
+def _decode_alone(target, ids: list[int], n: int) -> torch.Tensor:
+    """The AR path for one row: prefill ids[:-n], then one token per forward. Returns logits [n, V]."""
+    dev = target.device
+    P = len(ids) - n
+    cache = target.new_cache(1, len(ids))
+    target.forward(torch.tensor([ids[:P]], device=dev), torch.arange(P, device=dev)[None], cache, kv_len=P,
+                   taps=False)
+    out = []
+    for p in range(P, len(ids)):
+        h, _ = target.forward(torch.tensor([[ids[p]]], device=dev), torch.tensor([[p]], device=dev), cache,
+                              kv_len=p + 1, taps=False)
+        out.append(target.logits(h)[0])
+    return torch.cat(out)
+
+
+def _prefill(target, rows: list[list[int]], P: list[int], max_len: int):
+    dev = target.device
+    cache = target.new_cache(len(rows), max_len)
+    ids = torch.zeros((len(rows), max(P)), dtype=torch.long, device=dev)
+    for r, (x, p) in enumerate(zip(rows, P)):
+        ids[r, :p] = torch.tensor(x[:p], device=dev)
+    pos = torch.arange(max(P), device=dev).expand(len(rows), -1)
+    target.forward(ids, pos, cache, kv_len=max(P), taps=False)
+    return cache
+
+
+def _tree_layout(n: int, gen: torch.Generator) -> tuple[list[int], list[int]]:
+    """Slots of a tree block of 2n nodes: the true path's n nodes at increasing scattered slots, decoys elsewhere.
+    Returns (slot index of each path node, parent slot index of each decoy, -1 = the committed prefix)."""
+    order = torch.randperm(2 * n, generator=gen)[:n].sort().values.tolist()
+    decoys = [s for s in range(2 * n) if s not in order]
+    parents = [max([o for o in order if o < s], default=-1) for s in decoys]  # a decoy hangs off a path node
+    return order, parents
+
+
+def _verify(target, rows, P, n, vocab, gen, tree: bool) -> torch.Tensor:
+    """Verify the last n tokens of each row in one forward (block or tree). Returns the path's logits [R, n, V]."""
+    dev = target.device
+    R, W = len(rows), 2 * n if tree else n
+    cache = _prefill(target, rows, P, max(P) + W)
+    path, parents = _tree_layout(n, gen) if tree else (list(range(n)), [])
+    ids = torch.randint(4, vocab, (R, W), generator=gen).to(dev)
+    depth = torch.zeros((R, W), dtype=torch.long)
+    anc = torch.zeros((W, W), dtype=torch.bool)  # anc[i, j]: node j is visible to node i (ancestor or itself)
+    for d, s in enumerate(path):
+        ids[:, s] = torch.tensor([x[p + d] for x, p in zip(rows, P)], device=dev)
+        depth[:, s] = d
+        anc[s, path[:d + 1]] = True
+    for s, par in zip([x for x in range(W) if x not in path], parents):
+        pd = path.index(par) if par >= 0 else -1
+        depth[:, s] = pd + 1
+        anc[s, path[:pd + 1]] = True
+        anc[s, s] = True
+    start = torch.tensor(P, device=dev)[:, None]
+    kv_len = max(P) + W
+    slots = start + torch.arange(W, device=dev)
+    visible = torch.zeros((R, 1, W, kv_len), dtype=torch.bool, device=dev)
+    for r, p in enumerate(P):
+        visible[r, 0, :, :p] = True
+        visible[r, 0, :, p:p + W] = anc.to(dev)
+    h, _ = target.forward(ids, start + depth.to(dev), cache, kv_len=kv_len, taps=False, slots=slots,
+                          visible=visible)
+    return target.logits(h[:, path])
+
+
+@torch.no_grad()
+def measure(target, n: int = 8, prompt: int = 29, seed: int = 0) -> Invariance:
+    """Two ragged rows (prompt and prompt - 5 tokens), n tokens each: one-token logits vs block and tree."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = min(target.vocab_size, 30000)
+    P = [prompt, prompt - 5]
+    rows = [torch.randint(4, vocab, (p + n,), generator=gen).tolist() for p in P]
+    alone = torch.stack([_decode_alone(target, x, n) for x in rows])  # [R, n, V]
+    diffs = {}
+    for kind in ("block", "tree"):
+        got = _verify(target, rows, P, n, vocab, gen, tree=kind == "tree")
+        diffs[kind] = (got.float() - alone.float()).abs().max().item()
+    return Invariance(block=diffs["block"] == 0, tree=diffs["tree"] == 0, max_diff=max(diffs.values()))
+
+
+def _key(target, identity: str) -> str:
+    cpu = platform.processor() or platform.machine()
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    raw = f"{identity}|{target.architecture}|{target.dtype}|{target.device}|{type(target).__name__}|" \
+          f"{torch.__version__}|{torch.get_num_threads()}|{cpu}|{flags}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def check(target, identity: str, cache_file: str | os.PathLike | None = None) -> Invariance:
+    """`measure`, cached in `cache_file` (JSON) under the machine/torch/model/dtype key; sets
+    `target.batch_invariant`. `identity` names the weights (e.g. the model directory and its config digest)."""
+    key = _key(target, identity)
+    table = {}
+    if cache_file and os.path.isfile(cache_file):
+        try:
+            with open(cache_file) as f:
+                table = json.load(f)
+        except (OSError, ValueError):
+            table = {}
+    if key in table:
+        inv = Invariance(**table[key])
+    else:
+        inv = measure(target)
+        if cache_file:
+            table[key] = asdict(inv)
+            tmp = f"{cache_file}.{os.getpid()}.tmp"
+            os.makedirs(os.path.dirname(os.path.abspath(cache_file)), exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump(table, f, indent=1)
+            os.replace(tmp, cache_file)  # atomic: a concurrent reader sees the old or the new table
+    target.batch_invariant = inv.exact
+    (log.info if inv.exact else log.warning)("greedy exactness on this machine: %s", inv.label())
+    return inv
