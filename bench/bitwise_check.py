@@ -77,13 +77,19 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--out", default="bench/results/bitwise-bf16")
+    ap.add_argument("--report-only", action="store_true", help="summarise rows.jsonl without decoding more")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     target, tok, drafter, _ = load_models(dtype=args.dtype, backend=args.backend)
-    items = [(f"humaneval/{i}", t[0]) for i, t in enumerate(load_dataset("humaneval", args.humaneval))]
-    items += [(f"mtbench/{i}", t[0]) for i, t in enumerate(load_dataset("mtbench", args.mtbench))]
+    he = [(f"humaneval/{i}", t[0]) for i, t in enumerate(load_dataset("humaneval", args.humaneval))]
+    mt = [(f"mtbench/{i}", t[0]) for i, t in enumerate(load_dataset("mt-bench", args.mtbench))]
+    # interleaved (2 HumanEval : 1 MT-Bench), so a run stopped early still covers both sets
+    items = [x for i in range(max(len(he), 2 * len(mt)))
+             for x in he[i:i + 1] + (mt[i // 2:i // 2 + 1] if i % 2 else [])]
+    if args.report_only:
+        items = []
     configs = [c.strip() for c in args.configs.split(",")]
     meta = {"dtype": args.dtype, "backend": type(target).__name__, "max_new_tokens": args.max_new_tokens,
             "exactness": "bitwise" if target.batch_invariant else "near-tie rule", "command": " ".join(sys.argv)}

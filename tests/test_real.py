@@ -139,6 +139,36 @@ def test_cli_bad_input_names_the_remedy(argv, message):
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
 
 
+def test_cli_rejects_bad_input_before_loading_and_explains_itself(tmp_path, capsys):
+    from dflashkit.cli import main
+
+    fake = tmp_path / "model.gguf"
+    fake.write_text("not a model")
+    for argv, message in [(["--prompt", "   "], "--prompt is empty"), (["--prompt", "hi", "--max-new-tokens", "0"],
+                          "--max-new-tokens"), (["--prompt", "hi", "--target", str(fake)], "not a GGUF file")]:
+        assert main(["generate"] + argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and "dflashkit 0." in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--lookup LOOKUP" in text and "(default: 16)" in text and "(default: 20)" in text
+    assert "(default: None)" not in text and "--stream" in text
+
+
+def test_cli_generate_streams_and_compares_with_ar():
+    cmd = [sys.executable, "-m", "dflashkit.cli", "generate", "--prompt", PROMPTS[1], "--max-new-tokens", "24",
+           "--stream", "--compare"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "identical output: True" in out.stdout and "exactness on this machine (LeanTarget, bfloat16): bitwise" \
+        in out.stdout
+    assert "Paris" in out.stdout.split("[stats]")[0]  # the streamed answer came before the statistics
+
+
 def test_prompt_longer_than_context(real):
     eng, _ = real
     from dflashkit import DFlashError

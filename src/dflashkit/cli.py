@@ -7,9 +7,20 @@ import json
 import logging
 import sys
 
+from . import __version__
 from .errors import DFlashError
 
 log = logging.getLogger("dflashkit")
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default after its help, unless the help already says it (or there is none to show)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
 
 
 def _add_target_flags(p: argparse.ArgumentParser, drafter: bool = True) -> None:
@@ -18,7 +29,8 @@ def _add_target_flags(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     if drafter:
         p.add_argument("--drafter", default=None, help="Z Lab-format drafter directory (default: the bundled drafter)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"],
+                   help="weights and activations")
     p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"],
                    help="target forward: lean = dflashkit's batch-invariant forward (bit-identical speculative "
                         "output in bf16; Llama, Qwen3, Gemma 3), hf = transformers' modules; auto = lean where it "
@@ -89,28 +101,46 @@ def load_models(args):
     return DFlashEngine(target, drafter, tokenizer=tok, config=config), tok, trained
 
 
+def _generate_one(engine, ids: list[int], kw: dict, stream: bool):
+    """One prompt to the end; with `stream`, each step's new text goes to stdout as it commits."""
+    from .engine import Generation
+
+    if not stream:
+        return engine.generate([ids], **kw)[0]
+    tokens, last, shown = [], None, ""
+    for step in engine.stream([ids], **kw):
+        for o in step:
+            tokens += o.tokens
+            last = o
+            text = engine.decode(tokens, kw.get("stop"))
+            if len(text) > len(shown) and not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
+                print(text[len(shown):], end="", flush=True)
+                shown = text
+    print(flush=True)
+    return Generation(tokens, last.finish_reason, last.stats, engine.decode(tokens, kw.get("stop")))
+
+
 def cmd_generate(args) -> int:
     from .decode_config import DecodeConfig
     from .loader import encode_chat
     from .sampling import SamplingParams
 
+    if not args.prompt.strip():  # checked before the weights load
+        raise DFlashError("--prompt is empty; give the text to answer.")
+    if args.max_new_tokens < 1:
+        raise DFlashError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens}).")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     engine, tok, trained = load_models(args)
     ids = encode_chat(tok, args.prompt)
-    main = engine.block_size
     kw = dict(sampling=params, max_new_tokens=args.max_new_tokens, stop=args.stop)
-    g = engine.generate([ids], **kw)[0]
+    g = _generate_one(engine, ids, kw, args.stream and not args.json)
     # The comparison is plain AR: block size 1 and no lookup branch.
     ar = (engine.generate([ids], config=DecodeConfig.autoregressive(), **kw)[0]
           if args.compare and engine.config.speculative else None)
     stats = g.stats.to_dict()
-    stats["finish_reason"] = g.finish_reason
-    stats["block_size"] = main
-    stats["lookup"] = engine.config.lookup.max_tokens
-    stats["tree"] = engine.config.tree
-    stats["drafter_trained"] = trained
-    stats["backend"] = type(engine.target).__name__
-    stats["exactness"] = exactness_label(engine.target)
+    stats.update(finish_reason=g.finish_reason, block_size=engine.block_size, lookup=engine.config.lookup.max_tokens,
+                 tree=engine.config.tree, drafter_trained=trained, backend=type(engine.target).__name__,
+                 exactness=exactness_label(engine.target))
     if ar is not None:
         stats["ar_tokens_per_s"] = round(ar.stats.tokens_per_s, 3)
         ar_tps = ar.stats.tokens_per_s
@@ -120,35 +150,45 @@ def cmd_generate(args) -> int:
             from .bench import first_divergence
             stats["first_difference"] = first_divergence(engine.target, ids, ar.tokens, g.tokens)
     if args.json:
-        print(json.dumps({"text": g.text, "stats": stats}))
+        out = {"text": g.text, "stats": stats}
+        if ar is not None:
+            out["ar_text"] = ar.text
+        print(json.dumps(out))
         return 0
-    print(g.text)
+    if not args.stream:
+        print(g.text)
     print()
-    if not trained and main > 1:
+    if not trained and engine.block_size > 1:
         print("[note] the drafter is UNTRAINED (initialised from a fixed seed): output is exact, acceptance is "
               "near zero.")
-    print(f"[stats] block size {main}, drafter tree {stats['tree'] or 'off'}, "
-          f"lookup branch {stats['lookup'] or 'off'}, "
-          f"{stats['new_tokens']} tokens, "
-          f"tau {stats['tau']:.2f} tokens/pass, "
-          f"{stats['tokens_per_s']:.1f} tok/s, TTFT {stats['ttft_ms']:.0f} ms")
-    print(f"[stats] cumulative acceptance per position: {[round(x, 2) for x in stats['acceptance']]}")
-    print(f"[stats] accepted-length histogram (1..{stats['max_tokens_per_pass']} tokens per pass): "
-          f"{stats['accepted_length_histogram']}")
-    if "ar_tokens_per_s" in stats:
-        print(f"[stats] autoregressive (block size 1, no lookup, same engine): {stats['ar_tokens_per_s']:.1f} tok/s -> "
-              f"speedup {stats['speedup_vs_ar']}x; identical output: {stats['identical_to_ar']}")
-        print(f"[stats] exactness on this machine ({stats['backend']}, {args.dtype}): {stats['exactness']}")
-        d = stats.get("first_difference")
-        if d and getattr(engine.target, "batch_invariant", None):
-            print(f"[stats] BUG: the outputs part at token {d['index']} although this machine's kernels were measured "
-                  "batch-invariant; please report it with this prompt.")
-        elif d:
-            print(f"[stats] the outputs part at token {d['index']}, where the target's top-2 logits differ by "
-                  f"{d['gap']:.4f} ({'a near-tie' if d['near_tie'] else 'NOT a near-tie'}: {args.dtype} rounds a block "
-                  f"forward differently from a one-token forward; limit {d['threshold']:.4f}). "
-                  "Use --backend lean (bit-identical where supported) or --dtype float32 for bit-closer paths.")
+    _print_stats(stats, args, engine, ar)
     return 0
+
+
+def _print_stats(stats: dict, args, engine, ar) -> None:
+    print(f"[stats] block size {stats['block_size']}, drafter tree {stats['tree'] or 'off'}, "
+          f"lookup branch {stats['lookup'] or 'off'}, {stats['new_tokens']} tokens, "
+          f"tau {stats['tau']:.2f} tokens/pass, {stats['tokens_per_s']:.1f} tok/s, TTFT {stats['ttft_ms']:.0f} ms")
+    print(f"[stats] cumulative acceptance per position: {[round(x, 2) for x in stats['acceptance']]}")
+    print(f"[stats] accepted-length histogram (1..{stats['max_tokens_per_pass']} tokens per pass; a pass commits "
+          f"its accepted drafts + 1): {stats['accepted_length_histogram']}")
+    if ar is None:
+        return
+    print(f"[stats] autoregressive (block size 1, no lookup, same engine): {stats['ar_tokens_per_s']:.1f} tok/s -> "
+          f"speedup {stats['speedup_vs_ar']}x; identical output: {stats['identical_to_ar']}")
+    print(f"[stats] exactness on this machine ({stats['backend']}, {args.dtype}): {stats['exactness']}")
+    d = stats.get("first_difference")
+    if not d:
+        return
+    print(f"[compare] autoregressive text:\n{ar.text}\n[compare] the outputs part at token {d['index']}.")
+    if getattr(engine.target, "batch_invariant", None):
+        print("[stats] BUG: the outputs differ although this machine's kernels were measured batch-invariant; "
+              "please report it with this prompt.")
+    else:
+        print(f"[stats] there the target's top-2 logits differ by {d['gap']:.4f} "
+              f"({'a near-tie' if d['near_tie'] else 'NOT a near-tie'}: {args.dtype} rounds a block forward "
+              f"differently from a one-token forward; limit {d['threshold']:.4f}). "
+              "Use --backend lean (bit-identical where supported) or --dtype float32 for bit-closer paths.")
 
 
 def cmd_data_prompts(args) -> int:
@@ -264,8 +304,10 @@ def cmd_export(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dflashkit", description="DFlash block-diffusion speculative decoding.")
+    ap = argparse.ArgumentParser(prog="dflashkit", description="DFlash block-diffusion speculative decoding.",
+                                 formatter_class=_Help)
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    ap.add_argument("--version", action="version", version=f"dflashkit {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     _generate_and_data_parsers(sub)
     _bench_and_serve_parsers(sub)
@@ -274,48 +316,54 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate_and_data_parsers(sub) -> None:
-    g = sub.add_parser("generate", help="answer one prompt (chat template applied)")
-    g.add_argument("--prompt", required=True)
+    g = sub.add_parser("generate", formatter_class=_Help, help="answer one prompt (chat template applied)")
+    g.add_argument("--prompt", required=True, help="the user message (the target's chat template is applied)")
     _add_model_flags(g)
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per block; 1 = autoregressive (default: the drafter's)")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (output keeps the "
+                   "target's distribution exactly)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most")
+    g.add_argument("--stream", action="store_true", help="print the text as it is committed")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--compare", action="store_true", help="also run block size 1 and report the speedup")
+    g.add_argument("--compare", action="store_true",
+                   help="also run plain AR (same engine), report the speedup and whether the outputs are identical")
     g.add_argument("--json", action="store_true", help='print one JSON object {"text": ..., "stats": {...}}')
     g.set_defaults(func=cmd_generate)
 
-    d = sub.add_parser("data", help="build training data").add_subparsers(dest="data_command", required=True)
-    dp = d.add_parser("prompts", help="prompts from ShareGPT (offline) or your JSONL, minus benchmark overlap")
+    d = sub.add_parser("data", formatter_class=_Help, help="build training data")
+    d = d.add_subparsers(dest="data_command", required=True)
+    dp = d.add_parser("prompts", formatter_class=_Help,
+                      help="prompts from ShareGPT (offline) or your JSONL, minus benchmark overlap")
     dp.add_argument("--out", required=True, help="output directory (prompts.jsonl + manifest.json)")
     dp.add_argument("--source", default=None, help="JSONL of {prompt} or {messages} objects (default: ShareGPT)")
     dp.add_argument("--held-out", type=float, default=0.02, help="fraction of conversations held out (by id hash)")
     dp.set_defaults(func=cmd_data_prompts)
-    dg = d.add_parser("generate", help="regenerate responses with the target (resumable chunks)")
+    dg = d.add_parser("generate", formatter_class=_Help, help="regenerate responses with the target (resumable chunks)")
     dg.add_argument("--prompts", required=True, help="prompts.jsonl from `dflashkit data prompts`")
-    dg.add_argument("--out", required=True)
-    dg.add_argument("--split", action="append", default=None, choices=["train", "heldout"])
+    dg.add_argument("--out", required=True, help="output directory (chunked JSONL; rerun to resume)")
+    dg.add_argument("--split", action="append", default=None, choices=["train", "heldout"],
+                    help="which prompts to answer (repeatable; default: both)")
     _add_target_flags(dg, drafter=False)
     dg.add_argument("--chunk-size", type=int, default=64, help="prompts per chunk (= batch size)")
-    dg.add_argument("--max-prompt-tokens", type=int, default=192)
-    dg.add_argument("--max-new-tokens", type=int, default=320)
-    dg.add_argument("--temperature", type=float, default=0.0)
-    dg.add_argument("--top-p", type=float, default=1.0)
+    dg.add_argument("--max-prompt-tokens", type=int, default=192, help="longer prompts are skipped")
+    dg.add_argument("--max-new-tokens", type=int, default=320, help="response length at most")
+    dg.add_argument("--temperature", type=float, default=0.0, help="0 = the target's greedy answers")
+    dg.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     dg.set_defaults(func=cmd_data_generate)
 
 
 def _bench_and_serve_parsers(sub) -> None:
-    b = sub.add_parser("bench", help="tau and speed vs autoregressive decoding and the peers")
+    b = sub.add_parser("bench", formatter_class=_Help, help="tau and speed vs autoregressive decoding and the peers")
     b.add_argument("--dataset", action="append", default=None,
                    help="humaneval | mt-bench | mt-bench-t1 (first turns) | sharegpt-heldout | math | speed-bench "
                         "(repeatable)")
     b.add_argument("--prompts", default=None, help='JSONL, one {"prompt": ...} or {"messages": [...]} per line')
-    b.add_argument("--limit", type=int, default=None)
-    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--limit", type=int, default=None, help="first N items of each dataset (default: all)")
+    b.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per turn at most")
     b.add_argument("--block-size", type=int, action="append", default=None, help="repeatable (default 16)")
     b.add_argument("--temperature", type=float, action="append", default=None,
                    help="repeatable; the first runs every method, later ones add ar/dflash rows named m@T<t>")
@@ -330,15 +378,16 @@ def _bench_and_serve_parsers(sub) -> None:
     b.add_argument("--lookup-block-size", type=int, action="append", default=None,
                    help="repeatable: DFlash block sizes of the dflash-lookup and dflash-tree methods "
                         "(default: --block-size)")
-    b.add_argument("--out", default="bench/results/latest")
-    b.add_argument("--speed-bench-dir", default=None)
+    b.add_argument("--out", default="bench/results/latest",
+                   help="results.json, outputs.json.gz, results.md and PNG plots go here")
+    b.add_argument("--speed-bench-dir", default=None, help="a local copy of SPEED-Bench (the speed-bench dataset)")
     _add_model_flags(b)
     b.set_defaults(func=cmd_bench)
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
+    sv = sub.add_parser("serve", formatter_class=_Help, help="OpenAI-compatible server with continuous batching")
     _add_model_flags(sv)
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 = every interface)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port")
     sv.add_argument("--block-size", type=int, default=None, help="tokens per block (default: the drafter's)")
     sv.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
     sv.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
@@ -352,14 +401,17 @@ def _bench_and_serve_parsers(sub) -> None:
 
 
 def _export_and_train_parsers(sub) -> None:
-    ex = sub.add_parser("export", help="write the drafter in the Z Lab or vLLM speculators layout")
-    ex.add_argument("--format", required=True, choices=["zlab", "speculators"])
-    ex.add_argument("--out", required=True)
-    ex.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ex = sub.add_parser("export", formatter_class=_Help,
+                        help="write the drafter in the Z Lab or vLLM speculators layout")
+    ex.add_argument("--format", required=True, choices=["zlab", "speculators"],
+                    help="zlab = Z Lab's checkpoint layout (SGLang, Z Lab's package); speculators = vLLM's")
+    ex.add_argument("--out", required=True, help="output directory")
+    ex.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                    help="dtype of the written weights")
     _add_target_flags(ex)
     ex.set_defaults(func=cmd_export, dtype="float32")
 
-    t = sub.add_parser("train", help="train a drafter from a recipe file")
+    t = sub.add_parser("train", formatter_class=_Help, help="train a drafter from a recipe file")
     t.add_argument("--config", required=True, help="JSON recipe (every TrainConfig field)")
     t.set_defaults(func=cmd_train)
 

@@ -124,6 +124,10 @@ def resolve_target_dir(path: str | os.PathLike | None = None) -> Path:
             raise DFlashError(f"target {p} is a file but not .gguf; give a Hugging Face model directory or a "
                               ".gguf file.")
         gguf = p
+    with open(gguf, "rb") as f:  # a GGUF file starts with the magic bytes "GGUF"
+        if f.read(4) != b"GGUF":
+            raise DFlashError(f"{gguf} is not a GGUF file (no GGUF header); give a real .gguf file or a Hugging Face "
+                              "model directory.")
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
     out = cache_dir() / "targets" / f"{gguf.stem}-{key}"
