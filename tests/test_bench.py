@@ -169,3 +169,23 @@ def test_sweeps_block_size_temperature_and_batch(tmp_path):
     for png in ("block_size.png", "batch.png", "temperature.png"):
         assert (tmp_path / png).stat().st_size > 1000
     assert "vs batch size" in markdown(report)
+
+
+def test_cli_data_prompts_from_a_user_file(tmp_path, capsys):
+    """`dflashkit data prompts --source FILE` end to end through the CLI entry point (no model needed)."""
+    import json
+
+    from dflashkit.cli import main
+    from dflashkit.data import read_prompts
+
+    src = tmp_path / "mine.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"Explain topic number {i} of my own codebase in detail."}) + "\n"
+                           for i in range(60)) + json.dumps({"prompt": "   "}) + "\n")
+    assert main(["data", "prompts", "--source", str(src), "--out", str(tmp_path / "p"), "--held-out", "0.2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    records = read_prompts(report["prompts"])
+    assert len(records) == 60 and {r["split"] for r in records} == {"train", "heldout"}
+    assert json.loads((tmp_path / "p" / "manifest.json").read_text())["dropped_empty"] == 1
+    src.write_text("not json\n")
+    assert main(["data", "prompts", "--source", str(src), "--out", str(tmp_path / "q")]) == 2
+    assert "line 1 is not JSON" in capsys.readouterr().err
