@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/dflashkit generate --prompt "$(PROMPT)" --compare
+	$(VENV)/bin/dflashkit generate --prompt "$(PROMPT)" --compare --stream
 
 test: $(STAMP)
 	$(PY) -m pytest -q

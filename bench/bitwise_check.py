@@ -82,17 +82,21 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:  # summarise what the decoding runs wrote, with their settings (meta.json)
+        rows = [json.loads(x) for x in (out / "rows.jsonl").open()]
+        write_reports(summarize(rows, json.loads((out / "meta.json").read_text())), out)
+        print((out / "summary.md").read_text())
+        return 0
     target, tok, drafter, _ = load_models(dtype=args.dtype, backend=args.backend)
     he = [(f"humaneval/{i}", t[0]) for i, t in enumerate(load_dataset("humaneval", args.humaneval))]
     mt = [(f"mtbench/{i}", t[0]) for i, t in enumerate(load_dataset("mt-bench", args.mtbench))]
     # interleaved (2 HumanEval : 1 MT-Bench), so a run stopped early still covers both sets
     items = [x for i in range(max(len(he), 2 * len(mt)))
              for x in he[i:i + 1] + (mt[i // 2:i // 2 + 1] if i % 2 else [])]
-    if args.report_only:
-        items = []
     configs = [c.strip() for c in args.configs.split(",")]
     meta = {"dtype": args.dtype, "backend": type(target).__name__, "max_new_tokens": args.max_new_tokens,
             "exactness": "bitwise" if target.batch_invariant else "near-tie rule", "command": " ".join(sys.argv)}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     path = out / "rows.jsonl"
     done = {(r["id"], r["config"]) for r in map(json.loads, path.open())} if path.exists() else set()
     engines = {c: DFlashEngine(target, drafter, tokenizer=tok, config=CONFIGS[c]()) for c in configs}

@@ -36,7 +36,8 @@ def test_completions_models_health_metrics(server, client):
     r = client.completions.create(model="smollm2-test", prompt="The capital of France is", max_tokens=6, temperature=0)
     assert r.choices[0].text and r.usage.completion_tokens <= 6
     assert [m.id for m in client.models.list().data] == ["smollm2-test"]
-    assert json.loads(urllib.request.urlopen(server["url"] + "/health").read())["status"] == "ok"
+    health = json.loads(urllib.request.urlopen(server["url"] + "/health").read())
+    assert health["status"] == "ok" and health["greedy_exactness"] in {"bitwise", "near-tie rule", "not measured"}
     metrics = urllib.request.urlopen(server["url"] + "/metrics").read().decode()
     for name in ("dflashkit_requests_total", "dflashkit_generated_tokens_total", "dflashkit_tau",
                  "dflashkit_accepted_per_position_total", "dflashkit_request_latency_seconds_bucket"):

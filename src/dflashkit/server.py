@@ -135,7 +135,9 @@ def build_app(engine: DFlashEngine, tokenizer, model_name: str, max_batch: int =
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "running": len(sched.jobs), "queued": sched.pending.qsize()}
+        inv = getattr(engine.target, "batch_invariant", None)  # measured at start-up (invariance.py)
+        return {"status": "ok", "running": len(sched.jobs), "queued": sched.pending.qsize(),
+                "greedy_exactness": "bitwise" if inv else "near-tie rule" if inv is False else "not measured"}
 
     @app.get("/v1/models")
     async def models():
