@@ -90,6 +90,12 @@ class DFlashEngine:
     def new_batch(self, max_len: int, config: DecodeConfig | None = None) -> DecodeBatch:
         """An empty running batch of up to `max_len` cache positions per row (the server keeps one open)."""
         c = self.config if config is None else self.resolve(config)
+        tail = getattr(self.target, "tail_depth", None)
+        if tail is not None and c.depth_span - 1 > tail and self.target.batch_invariant:
+            # still exact math; only nodes deeper than the tail may round differently from one-token decoding
+            log.warning("draft nodes up to depth %d exceed the lean backend's bit-identical depth %d: outputs may "
+                        "part from AR at rounding near-ties (raise LeanTarget(tail_depth=...) or draft shallower)",
+                        c.depth_span - 1, tail)
         return DecodeBatch(self.target, self.drafter_proposer(c), self.lookup_factory(c.lookup), c.verify_width,
                            c.depth_span, max_len, self.eos_token_ids, self.tokenizer)
 
