@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from conftest import make_drafter, make_target
+from conftest import make_drafter, make_target, skip_random_drafts_on_lean
 from dflashkit import DecodeConfig, DFlashEngine, DFlashError
 from dflashkit.lookup import LookupParams, propose
 from dflashkit.tree import DraftNodes, accept, ancestors, build, chain_nodes, topk_tree, verify_mask
@@ -116,6 +116,7 @@ def with_lookup_oracle(eng, reference, keep=0.7, seed=0):
 @pytest.mark.parametrize("block_size,lookup,skip", [(1, 5, 0), (4, 6, 0), (8, 3, 0), (4, 6, 2)])
 @pytest.mark.parametrize("oracle", [False, True])
 def test_greedy_lossless_with_a_lookup_branch(arch, block_size, lookup, skip, oracle, monkeypatch, backend):
+    skip_random_drafts_on_lean(backend, oracle)
     t_ = make_target(arch, backend=backend)
     dr = make_drafter(t_, block_size=max(block_size, 2))
     plain = DFlashEngine(t_, dr, eos_token_ids=[], config=DecodeConfig())
@@ -236,6 +237,7 @@ def test_a_lookup_branch_merges_into_a_drafter_tree_path():
                                                       (8, 10, 4, 0.02)])
 @pytest.mark.parametrize("oracle", [False, True])
 def test_greedy_lossless_with_a_drafter_tree(arch, block_size, n, lookup, p_min, oracle, monkeypatch, backend):
+    skip_random_drafts_on_lean(backend, oracle)
     t_ = make_target(arch, backend=backend)
     dr = make_drafter(t_, block_size=block_size)
     plain = DFlashEngine(t_, dr, eos_token_ids=[], config=DecodeConfig())
