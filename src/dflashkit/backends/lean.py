@@ -22,6 +22,7 @@ sandwich norms). Anything else stays on `HFTarget`, the reference and the fallba
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -128,6 +129,8 @@ class LeanTarget(HFTarget):
         if arch not in SUPPORTED:
             raise DFlashError(f"the lean backend does not implement {arch}; use --backend hf "
                               f"(supported: {', '.join(sorted(SUPPORTED))}).")
+        if getattr(model.config, "attn_logit_softcapping", None):  # Gemma 2 style: not implemented, never ignored
+            raise DFlashError("the lean backend does not implement attention logit soft-capping; use --backend hf.")
         super().__init__(model, tap_ids)
         types = getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers
         self._layers = [_Layer(layer, t) for layer, t in zip(self.layers, types)]
@@ -144,11 +147,12 @@ class LeanTarget(HFTarget):
         must have the same bits in every call, and a vectorised cos/sin gives an element different bits depending
         on where it sits in the tensor; so each position is computed once, always inside the same chunk."""
         x = torch.zeros(1, dtype=self.dtype, device=self.device)
+        rot = self.decoder.rotary_emb
+        per_type = "layer_type" in inspect.signature(rot.forward).parameters  # Gemma 3: one base per layer type
         while self._rope_len < n:
             pos = torch.arange(self._rope_len, self._rope_len + ROPE_CHUNK, device=self.device)[None]
             for t in {layer.attn_type for layer in self._layers}:
-                rot = self.decoder.rotary_emb
-                cos, sin = rot(x, pos, t) if self._sliding else rot(x, pos)
+                cos, sin = rot(x, pos, t) if per_type else rot(x, pos)
                 old = self._rope.get(t)
                 self._rope[t] = (cos[0], sin[0]) if old is None else (torch.cat([old[0], cos[0]]),
                                                                        torch.cat([old[1], sin[0]]))
