@@ -105,3 +105,23 @@ def test_lean_rejects_an_architecture_it_does_not_implement():
     with pytest.raises(DFlashError, match="--backend hf"):
         LeanTarget(model)
     assert type(backend_for(model, "auto")).__name__ == "HFTarget"  # auto falls back
+
+
+def test_lean_handles_sliding_layers_and_refuses_what_it_does_not_implement():
+    from transformers import AutoModelForCausalLM, Gemma2Config, Qwen3Config
+
+    from dflashkit import Target
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, use_sliding_window=True, sliding_window=6, max_window_layers=2)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").double()
+    assert "sliding_attention" in cfg.layer_types
+    ids = torch.randint(4, 96, (2, 30))
+    ref = Target(model).reference_logits(ids)
+    assert (LeanTarget(model).reference_logits(ids) - ref).abs().max() <= 1e-10
+    gemma2 = AutoModelForCausalLM.from_config(Gemma2Config(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                                           num_hidden_layers=2, num_attention_heads=4,
+                                                           num_key_value_heads=2, head_dim=8))
+    with pytest.raises(DFlashError, match="--backend hf"):
+        LeanTarget(gemma2)  # not a supported architecture (and it soft-caps attention logits)
