@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from dflashkit import DecodeConfig, DFlashEngine
 from dflashkit.bench.datasets import load_dataset
+from dflashkit.invariance import mode as exactness_mode
 from dflashkit.loader import encode_chat, load_models
 
 CONFIGS = {"chain": DecodeConfig, "default": DecodeConfig.recommended}
@@ -95,7 +96,7 @@ def main() -> int:
              for x in he[i:i + 1] + (mt[i // 2:i // 2 + 1] if i % 2 else [])]
     configs = [c.strip() for c in args.configs.split(",")]
     meta = {"dtype": args.dtype, "backend": type(target).__name__, "max_new_tokens": args.max_new_tokens,
-            "exactness": "bitwise" if target.batch_invariant else "near-tie rule", "command": " ".join(sys.argv)}
+            "exactness": exactness_mode(target), "command": " ".join(sys.argv)}
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     path = out / "rows.jsonl"
     done = {(r["id"], r["config"]) for r in map(json.loads, path.open())} if path.exists() else set()

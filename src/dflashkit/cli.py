@@ -78,8 +78,9 @@ def decode_config(args, block_size: bool = True):
 
 def exactness_label(target) -> str:
     """What 'identical to AR' rests on here: bitwise (measured batch-invariant kernels) or the near-tie rule."""
-    inv = getattr(target, "batch_invariant", None)
-    if inv:
+    from .invariance import mode
+
+    if mode(target) == "bitwise":
         return "bitwise (verified logits equal one-token logits on this machine: any difference is a bug)"
     return "near-tie rule (this backend/dtype is not batch-invariant here: outputs may part at rounding ties)"
 

@@ -36,6 +36,12 @@ class Invariance:
                 f"near-tie rule (kernels are not batch-invariant here, max logit difference {self.max_diff:.3g})")
 
 
+def mode(target) -> str:
+    """The rule greedy equality with AR rests on for this target, as measured by `check`."""
+    inv = getattr(target, "batch_invariant", None)
+    return "bitwise" if inv else "near-tie rule" if inv is False else "not measured"
+
+
 def _decode_alone(target, ids: list[int], n: int) -> torch.Tensor:
     """The AR path for one row: prefill ids[:-n], then one token per forward. Returns logits [n, V]."""
     dev = target.device

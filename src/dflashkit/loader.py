@@ -145,15 +145,19 @@ def load_tokenizer(target_dir: Path):
 BACKENDS = ("auto", "lean", "hf")
 
 
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise DFlashError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+
+
 def make_target(model, backend: str = "auto") -> HFTarget:
     """The backend for an HF model: `lean` (our batch-invariant forward, backends/lean.py) where it implements the
     architecture, else `hf`; `auto` picks lean when it can."""
+    from .backends.hf import architecture_of
     from .backends.lean import SUPPORTED, LeanTarget
 
-    if backend not in BACKENDS:
-        raise DFlashError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
-    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
-    if backend == "lean" or (backend == "auto" and arch in SUPPORTED):
+    _check_backend(backend)
+    if backend == "lean" or (backend == "auto" and architecture_of(model) in SUPPORTED):
         return LeanTarget(model)
     return HFTarget(model)
 
@@ -173,8 +177,7 @@ def load_target(path: str | os.PathLike | None = None, dtype: str | torch.dtype 
     """(target, tokenizer). backend: auto | lean | hf (`make_target`); check: run the exactness self-check."""
     from transformers import AutoModelForCausalLM
 
-    if backend not in BACKENDS:  # before the weights load
-        raise DFlashError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    _check_backend(backend)  # before the weights load
     target_dir = resolve_target_dir(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=parse_dtype(dtype), attn_implementation="sdpa")

@@ -18,6 +18,7 @@ import time
 import uuid
 
 from .engine import DFlashEngine
+from .invariance import mode as exactness_mode
 from .errors import DFlashError
 from .openai_api import ChatRequest, CompletionRequest, Limits, Responder, check_limits, error, error_body
 from .scheduler import Job, Metrics, OverloadError, Scheduler
@@ -135,9 +136,8 @@ def build_app(engine: DFlashEngine, tokenizer, model_name: str, max_batch: int =
 
     @app.get("/health")
     async def health():
-        inv = getattr(engine.target, "batch_invariant", None)  # measured at start-up (invariance.py)
         return {"status": "ok", "running": len(sched.jobs), "queued": sched.pending.qsize(),
-                "greedy_exactness": "bitwise" if inv else "near-tie rule" if inv is False else "not measured"}
+                "greedy_exactness": exactness_mode(engine.target)}  # measured at start-up (invariance.py)
 
     @app.get("/v1/models")
     async def models():

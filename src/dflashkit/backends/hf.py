@@ -29,6 +29,11 @@ def _layer_output(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+def architecture_of(model) -> str:
+    """The model family's name as its config writes it (e.g. LlamaForCausalLM), else its class name."""
+    return (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+
+
 class _HFCacheView:
     """What HF attention layers call on a cache (`update`), mapped onto a `PositionCache` for one forward:
     each layer's new K/V go to `slots` [B, Q], and the layer reads slots [0, kv_len)."""
@@ -99,7 +104,7 @@ class HFTarget:
 
     @property
     def architecture(self) -> str:
-        return (getattr(self.model.config, "architectures", None) or [type(self.model).__name__])[0]
+        return architecture_of(self.model)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: [B, T] -> [B, T, H], through the target's own embedding module (incl. any scaling, e.g. Gemma)."""

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..cache import PositionCache
 from ..errors import DFlashError
-from .hf import HFTarget
+from .hf import HFTarget, architecture_of
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class LeanTarget(HFTarget):
     def __init__(self, model, tap_ids: list[int] | None = None, tail_depth: int = TAIL_DEPTH):
         """tail_depth: draft nodes up to this depth are verified bit-identically to one-token decoding (the cost: a
         gather of tail_depth + 1 keys per query and layer)."""
-        arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+        arch = architecture_of(model)
         if arch not in SUPPORTED:
             raise DFlashError(f"the lean backend does not implement {arch}; use --backend hf "
                               f"(supported: {', '.join(sorted(SUPPORTED))}).")
@@ -173,8 +173,9 @@ class LeanTarget(HFTarget):
         x = self.embed(ids)  # [B, Q, H]
         tapped = {}
         want = set(self.tap_ids) if taps else set()
+        rope = {t: tuple(c[positions][:, :, None] for c in cs) for t, cs in self._rope.items()}  # [B, Q, 1, hd]
         for i, layer in enumerate(self._layers):
-            cos, sin = (t[positions][:, :, None] for t in self._rope[layer.attn_type])  # [B, Q, 1, hd]
+            cos, sin = rope[layer.attn_type]
             a = self._attention(layer, i, layer.ln_in(x), cos, sin, cache, slots, kv_len, splits[layer.attn_type])
             if layer.ln_pre_ff is not None:
                 x = x + layer.ln_post_attn(a)

@@ -20,6 +20,7 @@ import torch
 from .. import stats
 from ..decode_config import DecodeConfig
 from .datasets import load_dataset, load_prompt_file
+from ..invariance import mode as exactness_mode
 from .exactness import calibrate_noise, mismatches
 from .peers import BenchContext, EngineMethod, Turn, build_methods
 
@@ -178,7 +179,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "settings": settings(cfg),
         "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                     "dtype": cfg.dtype, "device": cfg.device, "backend": type(ctx.target).__name__,
-                    "exactness": "bitwise" if ctx.target.batch_invariant else "near-tie rule"},
+                    "exactness": exactness_mode(ctx.target)},
         "versions": _versions(),
     }
 
