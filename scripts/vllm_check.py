@@ -44,8 +44,8 @@ class TracingEngine(DFlashEngine):
         trace = self.trace
 
         class Tracing(self.drafter_factory):
-            def draft(self, state, view, k=1):
-                drafts, logp = super().draft(state, view, k)
+            def draft(self, state, view, k=1, probs=False):
+                drafts, logp = super().draft(state, view, k, probs)
                 for a, d in zip(view.anchor.tolist(), drafts[..., 0].tolist()):
                     trace.append([int(a), [int(x) for x in d]])
                 return drafts, logp

@@ -72,14 +72,15 @@ def backend(request):
 # ---- the real server (test_server.py, test_server_hardening.py) ------------------------------------------------
 @pytest.fixture(scope="session")
 def server():
-    """The real SmolLM2 (float32, plain block 8) behind the OpenAI server, shared by the server test modules."""
+    """The real SmolLM2 (float32, block 8, the adaptive step policy as `dflashkit serve` runs it) behind the OpenAI
+    server, shared by the server test modules."""
     from dflashkit import DecodeConfig, DFlashEngine
     from dflashkit.loader import load_default_drafter, load_target
     from dflashkit.server import build_app, serve_in_thread
 
     target, tok = load_target(dtype="float32")
     drafter, _ = load_default_drafter(target, tok)
-    engine = DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig(block_size=8))
+    engine = DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig(block_size=8, policy="adaptive"))
     app = build_app(engine, tok, "smollm2-test", max_batch=8, max_queue=16, max_len=1024)
     srv, th, url = serve_in_thread(app)
     yield {"url": url, "engine": engine, "tok": tok, "app": app}

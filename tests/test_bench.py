@@ -152,13 +152,14 @@ def test_sweeps_block_size_temperature_and_batch(tmp_path):
     cfg = BenchConfig(datasets=["humaneval"], limit=2, max_new_tokens=6, block_sizes=[2, 4], temperatures=[1.0],
                       batch_sizes=[1, 2], methods=["ar", "dflash", "dflash-lookup", "lookup"], out=str(tmp_path),
                       dtype="float32", lookup_block_sizes=[4],
-                      decode=DecodeConfig(lookup=LookupParams(max_tokens=4, skip_drafter_n=2)))
+                      decode=DecodeConfig(lookup=LookupParams(max_tokens=4, skip_drafter_n=2), policy="adaptive"))
     report = write_report(run_bench(cfg), tmp_path)
     rows = report["results"]["humaneval"]
-    plain = {"ar", "dflash-b2", "dflash-b4", "dflash-b4-lookup4", "lookup4"}
+    plain = {"ar", "dflash-b2", "dflash-b4", "dflash-b4-lookup4-adaptive", "lookup4"}
     assert set(rows) == plain | {f"{m}@T1" for m in plain}
-    assert len(rows["lookup4"]["acceptance"]) == 4 and len(rows["dflash-b4-lookup4"]["acceptance"]) == 4
-    assert "mismatches_vs_ar" in rows["dflash-b4-lookup4"]
+    assert len(rows["lookup4"]["acceptance"]) == 4 and len(rows["dflash-b4-lookup4-adaptive"]["acceptance"]) == 4
+    assert "mismatches_vs_ar" in rows["dflash-b4-lookup4-adaptive"]
+    assert rows["dflash-b4-lookup4-adaptive"]["policy"]["steps"] > 0 and "policy" not in rows["dflash-b4"]
     assert rows["ar@T1"]["speedup_vs_ar"] == 1.0  # each temperature has its own ar baseline
     assert "mismatches_vs_ar" in rows["dflash-b4"] and "mismatches_vs_ar" not in rows["dflash-b4@T1"]
     sweep = report["sweeps"]["batch"]["humaneval"]
@@ -166,9 +167,10 @@ def test_sweeps_block_size_temperature_and_batch(tmp_path):
     for r in sweep.values():
         assert set(r) == {"1", "2"} and all(v["tokens_per_s"] > 0 and v["prompts"] == 2 for v in r.values())
     assert sweep["ar"]["2"]["tau"] == 1.0 and sweep["dflash-b4"]["1"]["tau"] >= 1.0
-    for png in ("block_size.png", "batch.png", "temperature.png"):
+    assert sweep["dflash-b4-lookup4-adaptive"]["2"]["policy"]["steps"] > 0  # its choices at that batch size
+    for png in ("block_size.png", "batch.png", "policy.png", "temperature.png"):
         assert (tmp_path / png).stat().st_size > 1000
-    assert "vs batch size" in markdown(report)
+    assert "vs batch size" in markdown(report) and "What the adaptive policy chose" in markdown(report)
 
 
 def test_cli_data_prompts_from_a_user_file(tmp_path, capsys):

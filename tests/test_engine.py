@@ -20,8 +20,8 @@ def with_oracle(engine, reference, keep=0.75, seed=0):
     rng = random.Random(seed)
 
     class Oracle(engine.drafter_factory):
-        def draft(self, state, view, k=1):
-            d, logp = super().draft(state, view, k)
+        def draft(self, state, view, k=1, probs=False):
+            d, logp = super().draft(state, view, k, probs)
             for r, (s, st) in enumerate(zip(view.seqs, view.start.tolist())):
                 full = reference[s.index]
                 for j in range(1, d.shape[1] + 1):
@@ -142,8 +142,8 @@ def check_caches_while_decoding(eng, t, dr, prompts, max_new):
     checked = {"draft": 0, "target": 0}
 
     class Checker(eng.drafter_factory):  # wraps the oracle, if any
-        def draft(self, state, view, k=1):
-            d = super().draft(state, view, k)
+        def draft(self, state, view, k=1, probs=False):
+            d = super().draft(state, view, k, probs)
             dcache = state.cache
             for r, (s, st) in enumerate(zip(view.seqs, view.start.tolist())):
                 committed = s.prompt + s.generated

@@ -60,7 +60,7 @@ def greedy_oracle(engine, t: Target):
     sample often leaves the argmax."""
 
     class Oracle(engine.drafter_factory):
-        def draft(self, state, view, k=1):
+        def draft(self, state, view, k=1, probs=False):
             seqs = view.seqs
             drafts = torch.zeros((len(seqs), self.block_size - 1, k), dtype=torch.long)
             logp = torch.zeros(drafts.shape)
@@ -159,6 +159,16 @@ def lookup_oracle(t: Target, k: int):
     return fake
 
 
+def use_lookup_oracle(eng: DFlashEngine, t: Target, k: int) -> None:
+    fake = lookup_oracle(t, k)
+
+    class Oracle(eng.lookup_factory):
+        def suggest(self, tokens):
+            return fake(tokens)
+
+    eng.set_proposers(lookup=Oracle)
+
+
 def test_speculative_sampling_with_a_lookup_branch_matches_target_distribution(backend):
     from dflashkit.lookup import LookupParams
 
@@ -166,13 +176,7 @@ def test_speculative_sampling_with_a_lookup_branch_matches_target_distribution(b
     eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3), eos_token_ids=[],
                        config=DecodeConfig(lookup=LookupParams(max_tokens=3)))
     greedy_oracle(eng, t)
-    fake = lookup_oracle(t, 3)
-
-    class Oracle(eng.lookup_factory):
-        def suggest(self, tokens):
-            return fake(tokens)
-
-    eng.set_proposers(lookup=Oracle)
+    use_lookup_oracle(eng, t, 3)
     assert_sampling_matches_target(eng, t, SamplingParams(temperature=1.0), seed=4321)
 
 
@@ -184,3 +188,20 @@ def test_speculative_sampling_with_a_drafter_tree_matches_target_distribution(ba
                        config=DecodeConfig(tree=6))
     greedy_oracle(eng, t)
     assert_sampling_matches_target(eng, t, SamplingParams(temperature=1.0), seed=2468)
+
+
+def test_speculative_sampling_with_the_adaptive_policy_matches_target_distribution(backend):
+    """The adaptive policy cuts the tree + lookup branch where the cost model says (here: inside it, differently
+    from step to step as its calibration learns); the cut depends on the drafter and the past only."""
+    from dflashkit.lookup import LookupParams
+    from dflashkit.policy import DRAFT_GRID, VERIFY_GRID, CostModel
+
+    t = small_target(backend)
+    cost = CostModel([100.0 + 0.01 * n for n in VERIFY_GRID], 0.0, [5.0] * len(DRAFT_GRID), learn=False)
+    eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3), eos_token_ids=[], cost=cost,
+                       config=DecodeConfig(tree=6, lookup=LookupParams(max_tokens=3), policy="adaptive"))
+    greedy_oracle(eng, t)
+    use_lookup_oracle(eng, t, 3)
+    assert_sampling_matches_target(eng, t, SamplingParams(temperature=1.0), seed=1357)
+    st = eng.policy_stats()["b4-tree6-lookup3"]
+    assert 1.5 < st["mean_width"] < 1 + 6 + 3 - 0.5, st  # cut inside the tree, not all or nothing

@@ -90,21 +90,21 @@ def test_a_request_whose_admission_fails_fails_alone(server):
 
 
 def test_a_row_that_fails_inside_a_step_fails_alone(server):
-    """A failure inside a decoding step (here: the drafter raises whenever one marked request is in the batch)
-    finishes that request with an error; the requests decoding beside it get their normal answers."""
-    from dflashkit.proposers import DrafterProposer
+    """A failure inside a decoding step (here: the step's proposal raises whenever one marked request is in the
+    batch) finishes that request with an error; the requests decoding beside it get their normal answers."""
+    from dflashkit.proposers import LookupProposer
 
     eng = server["engine"]
 
-    class Failing(DrafterProposer):
-        def draft(self, state, view, k=1):
-            if any(s.max_new_tokens == 77 for s in view.seqs):
+    class Failing(LookupProposer):  # asked every step, whether or not the policy runs the drafter
+        def propose(self, seqs, device):
+            if any(s.max_new_tokens == 77 for s in seqs):
                 raise RuntimeError("injected failure")
-            return super().draft(state, view, k)
+            return super().propose(seqs, device)
 
     from dflashkit.server import build_app, serve_in_thread
 
-    eng.set_proposers(drafter=Failing)  # a second app on the same engine: its batch is built with the failing one
+    eng.set_proposers(lookup=Failing)  # a second app on the same engine: its batch is built with the failing one
     srv, th, url = serve_in_thread(build_app(eng, server["tok"], "smollm2-test", max_len=1024))
     try:
         with ThreadPoolExecutor(4) as ex:
@@ -116,7 +116,7 @@ def test_a_row_that_fails_inside_a_step_fails_alone(server):
     finally:
         srv.should_exit = True
         th.join(30)
-        eng.set_proposers(drafter=DrafterProposer)
+        eng.set_proposers(lookup=LookupProposer)
     assert status == 500 and "injected failure" in payload["error"]["message"]
     for p, (s, body) in zip(PROMPTS[:3], got):
         assert s == 200 and body["choices"][0]["message"]["content"] == alone_text(server, p, 16)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import DFlashError
+from .policy import FixedPolicy
 from .proposers import DraftView, DrafterProposer, LookupProposer
 from .sampling import Sampler, SamplingParams
 from .stats import GenerationStats
@@ -106,12 +107,13 @@ class DecodeBatch:
 
     target: a `TargetModel`; drafter: a `DrafterProposer` or None (block size 1); lookup: a `LookupProposer`;
     width: the widest verify pass (`DecodeConfig.verify_width`); span: the deepest path one step can accept plus 1
-    (`DecodeConfig.depth_span`); the drafter's pending features are kept at that width for every row.
+    (`DecodeConfig.depth_span`); policy: what each step drafts and verifies (`policy.py`; default: all of it).
     """
 
     def __init__(self, target, drafter: DrafterProposer | None, lookup: LookupProposer, width: int, span: int,
-                 max_len: int, eos_ids: set[int] | None = None, tokenizer=None):
+                 max_len: int, eos_ids: set[int] | None = None, tokenizer=None, policy=None):
         self.target, self.drafter, self.lookup = target, drafter, lookup
+        self.policy = policy or FixedPolicy()
         self.width, self.span, self.max_len = width, span, max_len
         self.eos_ids, self.tokenizer = set(eos_ids or ()), tokenizer
         self.seqs: list[SeqState] = []
@@ -161,7 +163,7 @@ class DecodeBatch:
         lps = token_logprobs(logits, first, seqs)
         known = torch.tensor([s.generated[-1] if s.generated else 0 for s in seqs], device=dev)
         anchor = torch.where(torch.tensor(fresh, device=dev), first[:, 0], known)
-        dstate = self.drafter.prefill(feats, pos, last, self.max_len, self.span) if self.drafter else None
+        dstate = self.drafter.prefill(feats, pos, last, self.max_len) if self.drafter else None
         self._join(seqs, tcache, dstate, sampler, last + 1, anchor, lens)
         now = time.perf_counter()
         out = []
@@ -208,6 +210,8 @@ class DecodeBatch:
             self._compact()
         if not self.seqs:
             return []
+        t0 = time.perf_counter()
+        live = [not s.finished for s in self.seqs]
         tree = self._propose()
         # Verify: node i sits in slot start + i at position start + depth(i) (RoPE), sees its ancestors only.
         W, dev = tree.width, self.target.device
@@ -218,22 +222,26 @@ class DecodeBatch:
                                             visible=verify_mask(tree, self.start, kv_len))
         logits = self.target.logits(hidden)  # [b, W, V]
         choices = self.sampler(logits)  # [b, W] the target's own token after each node
-        return self._commit(tree, logits, choices, feats)
+        out, host = self._commit(tree, logits, choices, feats)
+        self.policy.observe(self, [row if ok else None for row, ok in zip(host, live)], self.span,
+                            1000 * (time.perf_counter() - t0))
+        return out
 
     def _propose(self):
-        """The step's draft tree: the lookup branch merged into the drafter's chain or tree (either may be empty)."""
-        branch, branch_len, matched = self.lookup.propose(self.seqs, self.target.device)
-        draft = None
-        if self.drafter is not None:
-            if self.lookup.skips_drafter(matched, self.seqs):
-                self.drafter.ingest(self.dstate)  # no drafter forward, but its cache must not miss these positions
-            else:
-                draft = self.drafter.propose(self.dstate, DraftView(self.anchor, self.start, max(self.starts),
-                                                                    self.seqs))
-        return build(self.anchor, draft, branch, branch_len)
+        """The step's draft tree: the lookup branch merged into the drafter's chain or tree (either may be empty),
+        cut to what the policy finds worth verifying. A step that skips the drafter leaves its pending features
+        for its next forward (`DraftState`)."""
+        branch, branch_len, matched, props = self.lookup.propose(self.seqs, self.target.device)
+        draft, pol = None, self.policy
+        if (self.drafter is not None and not self.lookup.skips_drafter(matched, self.seqs)
+                and pol.wants_drafter(self, props, matched)):
+            draft = self.drafter.propose(self.dstate, DraftView(self.anchor, self.start, max(self.starts), self.seqs),
+                                         scores=pol.adaptive)
+        return pol.choose(self, build(self.anchor, draft, branch, branch_len), draft, props, matched,
+                          draft is not None)
 
     def _commit(self, tree, logits: torch.Tensor, choices: torch.Tensor,
-                feats: torch.Tensor | None) -> list[StepOutput]:
+                feats: torch.Tensor | None) -> tuple[list[StepOutput], list]:
         """Accept, roll back and commit: the one place where a step's outcome changes the batch's state.
 
         Every committed token is the target's own choice given exactly the committed prefix (`tree.accept`), so
@@ -253,10 +261,11 @@ class DecodeBatch:
             src = self.start[:, None] + torch.where(keep, path, depth[None])
             self.tcache.move(src, self.start[:, None] + depth[None])
         if self.drafter is not None:
-            # The drafter's context for the next step: the accepted path's features, at its positions (entries
-            # past a sit at positions >= the new start: invisible until rewritten).
-            self.dstate.pend_feats = feats.gather(1, path[:, :, None].expand(b, R, feats.shape[-1]))
-            self.dstate.pend_pos = self.start[:, None] + depth[None]
+            # The drafter's context: the accepted path's features at their positions. Past a, `path` repeats the
+            # end node, so those entries repeat (feature, position) of the last accepted node: harmless rewrites.
+            D1 = tree.max_depth + 1
+            self.dstate.append(feats.gather(1, path[:, :D1, None].expand(b, D1, feats.shape[-1])),
+                               self.start[:, None] + torch.minimum(depth[None, :D1], a[:, None]))
         self.anchor = committed.gather(1, a[:, None])[:, 0]  # the bonus token: the next anchor
         self.start = self.start + (a + 1) * live  # finished rows stay frozen
         now = time.perf_counter()
@@ -269,7 +278,7 @@ class DecodeBatch:
             s.stats.accepted.append(a_i)
             out.append(s.commit(row[: a_i + 1], self.eos_ids, self.tokenizer, lps[i][: a_i + 1] if lps else None))
             s.stats.decode_s = now - s.t_first
-        return out
+        return out, host
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[SeqState],

@@ -60,6 +60,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "default: 16384 if the drafter has a token ranking, else 0")
     p.add_argument("--lookup-per-n", type=int, default=rec.lookup.tokens_per_n,
                    help="propose at most this many lookup tokens per matched suffix token (0 = always --lookup)")
+    p.add_argument("--policy", default=rec.policy, choices=["adaptive", "fixed"],
+                   help="adaptive: each step drafts and verifies only what pays on this machine at this load (a cost "
+                        "model calibrated once per machine, acceptance learned while decoding; plain AR steps when "
+                        "nothing pays); fixed: the whole tree and lookup branch every step. bench: the policy of "
+                        "its dflash-lookup rows")
     p.add_argument("--lookup-skip", type=int, default=rec.lookup.skip_drafter_n,
                    help="skip the drafter's forward when the lookup matched a suffix of at least this many tokens "
                         "(0 = never)")
@@ -73,7 +78,8 @@ def decode_config(args, block_size: bool = True):
 
     lookup = LookupParams(max_tokens=args.lookup, skip_drafter_n=args.lookup_skip, tokens_per_n=args.lookup_per_n)
     return DecodeConfig(block_size=getattr(args, "block_size", None) if block_size else None, tree=args.tree,
-                        tree_min_prob=args.tree_min_prob, draft_vocab=args.draft_vocab, lookup=lookup)
+                        tree_min_prob=args.tree_min_prob, draft_vocab=args.draft_vocab, lookup=lookup,
+                        policy=args.policy)
 
 
 def exactness_label(target) -> str:
@@ -374,8 +380,8 @@ def _bench_and_serve_parsers(sub) -> None:
     b.add_argument("--batch-size", type=int, action="append", default=None,
                    help="repeatable: throughput sweep of ar/dflash with N prompts decoded together (first turns)")
     b.add_argument("--methods", action="append", default=None,
-                   help="comma list: ar,dflash,dflash-lookup,dflash-tree,lookup,hf,hf-lookup,llamacpp,zlab,vllm,"
-                        "vllm-dflash")
+                   help="comma list: ar,dflash,dflash-lookup,dflash-lookup-fixed,dflash-tree,lookup,hf,hf-lookup,"
+                        "llamacpp,zlab,vllm,vllm-dflash")
     b.add_argument("--lookup-block-size", type=int, action="append", default=None,
                    help="repeatable: DFlash block sizes of the dflash-lookup and dflash-tree methods "
                         "(default: --block-size)")

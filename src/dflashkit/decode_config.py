@@ -25,6 +25,7 @@ from .lookup import LookupParams
 # The draft vocabulary of `recommended()`: the drafter's 16,384 most frequent training ids (99.5 % of the bundled
 # drafter's training response tokens), when it ships a token ranking that long.
 RECOMMENDED_DRAFT_VOCAB = 16384
+POLICIES = ("adaptive", "fixed")
 
 
 def _is_int(x) -> bool:
@@ -38,6 +39,9 @@ class DecodeConfig:
     tree_min_prob: float = 0.0  # drop tree paths the drafter gives less than this probability; 0 = keep all
     draft_vocab: int | None = 0  # draft over the N most frequent training ids; 0 = all; None = the drafter's default
     lookup: LookupParams = field(default_factory=LookupParams)  # the n-gram lookup branch (max_tokens 0 = off)
+    # what each step verifies: "fixed" = all of the above, every step; "adaptive" = what pays on this machine at
+    # this load (`policy.py`): the above is then the most a step may draft
+    policy: str = "fixed"
 
     def __post_init__(self):
         b = self.block_size
@@ -53,12 +57,16 @@ class DecodeConfig:
             raise DFlashError(f"draft_vocab must be an integer >= 1, or 0 for the full vocabulary (got {v!r}).")
         if not isinstance(self.lookup, LookupParams):
             raise DFlashError(f"lookup must be a LookupParams (got {type(self.lookup).__name__}).")
+        if self.policy not in POLICIES:
+            raise DFlashError(f"policy must be one of {', '.join(POLICIES)} (got {self.policy!r}).")
 
     @classmethod
     def recommended(cls, **overrides) -> "DecodeConfig":
-        """The default system: a pruned 20-node drafter tree + an adaptive lookup branch of up to 16 tokens."""
+        """The default system: up to a 20-node drafter tree + a lookup branch of up to 16 tokens, each step cut to
+        what pays on this machine at this load (the adaptive policy; `policy="fixed"`: a 20-node tree pruned at
+        probability 0.03 every step)."""
         base = dict(tree=20, tree_min_prob=0.03, draft_vocab=None,
-                    lookup=LookupParams(max_tokens=16, tokens_per_n=4, skip_drafter_n=3))
+                    lookup=LookupParams(max_tokens=16, tokens_per_n=4, skip_drafter_n=3), policy="adaptive")
         return cls(**{**base, **overrides})
 
     @classmethod

@@ -21,6 +21,7 @@ from .batch import DecodeBatch, SeqState, StepOutput, cache_positions
 from .decode_config import DecodeConfig
 from .drafter import DFlashDrafter
 from .errors import DFlashError
+from .policy import AdaptivePolicy, CostModel, FixedPolicy, load_or_calibrate
 from .proposers import DrafterProposer, LookupProposer, check_compatible
 from .sampling import SamplingParams
 from .stats import GenerationStats
@@ -43,8 +44,13 @@ class DFlashEngine:
     config: how each step drafts (default `DecodeConfig.recommended()`; `DecodeConfig()` is the plain block)."""
 
     def __init__(self, target, drafter: DFlashDrafter | None = None, tokenizer=None,
-                 config: DecodeConfig | None = None, eos_token_ids: Sequence[int] | None = None):
+                 config: DecodeConfig | None = None, eos_token_ids: Sequence[int] | None = None,
+                 cost: CostModel | None = None, cost_file: str | None = "default"):
+        """cost: the adaptive policy's cost model (default: calibrated here once, cached in `cost_file`; "default"
+        is ~/.cache/dflashkit/cost.json, None caches nothing)."""
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.cost, self.cost_file = cost, cost_file
+        self._policies: dict[tuple, AdaptivePolicy] = {}
         if drafter is not None:
             check_compatible(drafter, target)
             target.set_taps(drafter.config.target_layer_ids)
@@ -97,7 +103,29 @@ class DFlashEngine:
                         "part from AR at rounding near-ties (raise LeanTarget(tail_depth=...) or draft shallower)",
                         c.depth_span - 1, tail)
         return DecodeBatch(self.target, self.drafter_proposer(c), self.lookup_factory(c.lookup), c.verify_width,
-                           c.depth_span, max_len, self.eos_token_ids, self.tokenizer)
+                           c.depth_span, max_len, self.eos_token_ids, self.tokenizer, self.policy(c))
+
+    def policy(self, config: DecodeConfig):
+        """The step policy of a resolved config: one `AdaptivePolicy` per drafting setting, kept for the engine's
+        life (its calibration carries over from batch to batch), or `FixedPolicy`."""
+        if config.policy == "fixed" or not config.speculative:
+            return FixedPolicy()
+        key = (config.block_size, config.tree, config.draft_vocab, config.lookup)
+        if key not in self._policies:
+            proposer = self.drafter_proposer(config)
+            if self.cost is not None:
+                cost = CostModel(**{**self.cost.__dict__, "verify_ms": list(self.cost.verify_ms),
+                                    "draft_ms": list(self.cost.draft_ms)})
+            else:
+                from .loader import cache_dir
+                file = cache_dir() / "cost.json" if self.cost_file == "default" else self.cost_file
+                cost = load_or_calibrate(self.target, proposer, file)
+            self._policies[key] = AdaptivePolicy(cost)
+        return self._policies[key]
+
+    def policy_stats(self) -> dict:
+        """What the adaptive policies chose so far, per drafting setting (the server's /metrics, the bench)."""
+        return {f"b{k[0]}-tree{k[1]}-lookup{k[3].max_tokens}": p.stats.summary() for k, p in self._policies.items()}
 
     def call_config(self, config: DecodeConfig | None = None, **overrides) -> DecodeConfig:
         """The engine's config, or `config`, with per-call overrides (block_size, tree, lookup, ...), resolved."""

@@ -9,14 +9,13 @@ and compares every logit bitwise. The answer is cached per machine, torch build,
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import platform
 from dataclasses import asdict, dataclass
 
 import torch
+
+from .measurements import lookup, machine_key, store
 
 log = logging.getLogger(__name__)
 
@@ -122,41 +121,16 @@ def measure(target, n: int = 8, prompt: int = 29, seed: int = 0) -> Invariance:
     return Invariance(block=diffs["block"] == 0, tree=diffs["tree"] == 0, max_diff=max(diffs.values()))
 
 
-def _key(target, identity: str) -> str:
-    cpu = platform.processor() or platform.machine()
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    raw = f"{identity}|{target.architecture}|{target.dtype}|{target.device}|{type(target).__name__}|" \
-          f"{torch.__version__}|{torch.get_num_threads()}|{cpu}|{flags}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:16]
-
-
 def check(target, identity: str, cache_file: str | os.PathLike | None = None) -> Invariance:
     """`measure`, cached in `cache_file` (JSON) under the machine/torch/model/dtype key; sets
     `target.batch_invariant`. `identity` names the weights (e.g. the model directory and its config digest)."""
-    key = _key(target, identity)
-    table = {}
-    if cache_file and os.path.isfile(cache_file):
-        try:
-            with open(cache_file) as f:
-                table = json.load(f)
-        except (OSError, ValueError):
-            table = {}
-    if key in table:
-        inv = Invariance(**table[key])
+    key = machine_key(identity, target.architecture, target.dtype, target.device, type(target).__name__)
+    stored = lookup(cache_file, key)
+    if stored is not None:
+        inv = Invariance(**stored)
     else:
         inv = measure(target)
-        if cache_file:
-            table[key] = asdict(inv)
-            tmp = f"{cache_file}.{os.getpid()}.tmp"
-            os.makedirs(os.path.dirname(os.path.abspath(cache_file)), exist_ok=True)
-            with open(tmp, "w") as f:
-                json.dump(table, f, indent=1)
-            os.replace(tmp, cache_file)  # atomic: a concurrent reader sees the old or the new table
+        store(cache_file, key, asdict(inv))
     target.batch_invariant = inv.exact
     (log.info if inv.exact else log.warning)("greedy exactness on this machine: %s", inv.label())
     return inv

@@ -54,7 +54,11 @@ def frequent_ids(drafter: DFlashDrafter, n: int) -> torch.Tensor:
 @dataclass
 class DraftState:
     """The drafter's per-batch state, row-aligned with the batch: its K/V cache of context features, and the
-    target features committed last step that it has not ingested yet (`pend_*`, one width R for all rows)."""
+    target features committed since it last ran, not ingested yet (`pend_*`, one width R for all rows).
+
+    Why pending features may pile up: a step that skips the drafter does not pay for writing them; the next
+    drafter forward ingests them all at once. Every entry is a committed token's feature AT ITS OWN position (a
+    row's shorter list is padded by repeating its last entry), so the order of the writes cannot matter."""
 
     cache: PositionCache
     pend_feats: torch.Tensor  # [b, R, k*H]
@@ -66,8 +70,23 @@ class DraftState:
 
     def extend(self, other: "DraftState") -> None:
         self.cache.extend(other.cache)
-        self.pend_feats = torch.cat([self.pend_feats, other.pend_feats])
-        self.pend_pos = torch.cat([self.pend_pos, other.pend_pos])
+        R = max(self.pend_pos.shape[1], other.pend_pos.shape[1])
+        a, b = _pad_last(self.pend_feats, self.pend_pos, R), _pad_last(other.pend_feats, other.pend_pos, R)
+        self.pend_feats, self.pend_pos = torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])
+
+    def append(self, feats: torch.Tensor, pos: torch.Tensor) -> None:
+        """Add one step's committed features [b, R', k*H] at positions [b, R'] to what is pending."""
+        self.pend_feats = torch.cat([self.pend_feats, feats], 1)
+        self.pend_pos = torch.cat([self.pend_pos, pos], 1)
+
+
+def _pad_last(feats: torch.Tensor, pos: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad [b, R, ...] to width R' by repeating the last entry (a harmless rewrite of the same feature)."""
+    extra = width - pos.shape[1]
+    if extra == 0:
+        return feats, pos
+    return (torch.cat([feats, feats[:, -1:].expand(-1, extra, -1)], 1),
+            torch.cat([pos, pos[:, -1:].expand(-1, extra)], 1))
 
 
 @dataclass
@@ -98,10 +117,10 @@ class DrafterProposer:
 
     # ---- per-batch state ------------------------------------------------------------------------------------
     def prefill(self, feats: torch.Tensor, pos: torch.Tensor, last: torch.Tensor, max_len: int,
-                width: int) -> DraftState:
+                width: int = 1) -> DraftState:
         """New rows' state from their prompt features [n, P, k*H] at pos [n, P]; last [n] = each prompt's last
         position. The prompt goes into the cache at once; what stays pending is a harmless rewrite of the last
-        prompt feature at its own position, repeated to the batch's pending width."""
+        prompt feature at its own position (`width` times)."""
         c, n = self.drafter.config, feats.shape[0]
         cache = PositionCache(c.num_hidden_layers, n, c.num_key_value_heads, max_len, c.head_dim,
                               self.target.dtype, self.target.device)
@@ -111,9 +130,10 @@ class DrafterProposer:
                           last[:, None].expand(n, width).contiguous())
 
     def ingest(self, state: DraftState) -> None:
-        """Write the pending context features into the draft cache (also on steps that skip the drafter, or the
-        cache would miss those positions)."""
-        self._write(state.cache, state.pend_feats, state.pend_pos)
+        """Write the pending context features into the draft cache; nothing is pending afterwards."""
+        if state.pend_pos.shape[1]:
+            self._write(state.cache, state.pend_feats, state.pend_pos)
+            state.pend_feats, state.pend_pos = state.pend_feats[:, :0], state.pend_pos[:, :0]
 
     def _write(self, cache: PositionCache, feats: torch.Tensor, pos: torch.Tensor) -> None:
         dr = self.drafter
@@ -121,18 +141,20 @@ class DrafterProposer:
             cache.write(layer, k, v, pos)
 
     # ---- drafting -------------------------------------------------------------------------------------------
-    def propose(self, state: DraftState, view: DraftView) -> DraftNodes:
-        """Ingest the pending features, draft one block, and return the chain or the tree of likeliest paths."""
+    def propose(self, state: DraftState, view: DraftView, scores: bool = False) -> DraftNodes:
+        """Ingest the pending features, draft one block, and return the chain or the tree of likeliest paths.
+        scores: also give each node's path log-probability (the adaptive policy prunes the tree itself then)."""
         self.ingest(state)
         # A tree of n nodes needs at most the n best tokens per slot (its beam is then exact, `topk_tree`).
-        toks, logp = self.draft(state, view, k=min(self.tree, 16) if self.tree else 1)
+        toks, logp = self.draft(state, view, k=min(self.tree, 16) if self.tree else 1, probs=scores)
         if self.tree:
-            return topk_tree(toks, logp, self.tree, self.tree_min_prob)
-        return chain_nodes(toks[..., 0])
+            return topk_tree(toks, logp, self.tree, 0.0 if scores else self.tree_min_prob)
+        return chain_nodes(toks[..., 0], logp[..., 0] if scores else None)
 
-    def draft(self, state: DraftState, view: DraftView, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, state: DraftState, view: DraftView, k: int = 1,
+              probs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's k best tokens per block slot 1..B-1 as target ids [b, B-1, k], best first, and their
-        log-probabilities [b, B-1, k] (float32; zeros for k = 1, where only the argmax is needed)."""
+        log-probabilities [b, B-1, k] (float32; zeros for k = 1 unless probs, where only the argmax is needed)."""
         c, anchor = self.drafter.config, view.anchor
         b, Q, dev = anchor.shape[0], self.block_size, anchor.device
         blk_pos = view.start[:, None] + self._arange_q  # [b, Q]
@@ -151,7 +173,7 @@ class DrafterProposer:
         # Same-position prediction: output slot j (j >= 1) proposes the token AT position anchor + j; slot 0
         # (the anchor itself) is discarded.
         logits = self.target.logits(h[:, 1:], self.head)
-        if k == 1:  # the chain needs no probabilities: skip the softmax (max, not bf16 argmax: see sampling.py)
+        if k == 1 and not probs:  # no probabilities needed: skip the softmax (max, not bf16 argmax: see sampling.py)
             drafts = logits.max(-1, keepdim=True).indices
             logp = torch.zeros(drafts.shape, dtype=torch.float32, device=drafts.device)
         else:
@@ -166,9 +188,9 @@ class LookupProposer:
     def __init__(self, params: LookupParams):
         self.params = params
 
-    def propose(self, seqs: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """-> (branch [b, k] right-padded, its valid length per row [b], each row's matched suffix length).
-        k is the longest proposal (known on the host): the branch is never wider than it must be."""
+    def propose(self, seqs: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int], list]:
+        """-> (branch [b, k] right-padded, its valid length per row [b], each row's matched suffix length, each
+        row's proposal as a host list). k is the longest proposal: the branch is never wider than it must be."""
         props = [self.suggest(s.prompt + s.generated) if self.params.enabled and not s.finished else ([], 0)
                  for s in seqs]
         k = max((len(p) for p, _ in props), default=0)
@@ -176,7 +198,7 @@ class LookupProposer:
         for i, (p, _) in enumerate(props):
             branch[i, :len(p)] = torch.tensor(p, dtype=torch.long)
         lengths = torch.tensor([len(p) for p, _ in props], device=device)
-        return branch.to(device), lengths, [n for _, n in props]
+        return branch.to(device), lengths, [n for _, n in props], [p for p, _ in props]
 
     def suggest(self, tokens: list[int]) -> tuple[list[int], int]:
         """One row's (proposal, matched suffix length) for its committed tokens (tests override it with oracles)."""

@@ -63,7 +63,8 @@ class Metrics:
         self.latency_sum += latency
         self.latency_n += 1
 
-    def prometheus(self) -> str:
+    def prometheus(self, policy: dict | None = None) -> str:
+        """policy: `DFlashEngine.policy_stats()`, what the adaptive policy chose per drafting setting."""
         tau = tau_from_counts(self.target_passes, self.accepted_tokens)
         lines = [
             "# TYPE dflashkit_requests_total counter", f"dflashkit_requests_total {self.requests}",
@@ -86,6 +87,11 @@ class Metrics:
         lines += [f'dflashkit_request_latency_seconds_bucket{{le="+Inf"}} {self.latency_n}',
                   f"dflashkit_request_latency_seconds_sum {self.latency_sum:.6f}",
                   f"dflashkit_request_latency_seconds_count {self.latency_n}"]
+        names = {"steps": "policy_steps_total", "drafter_steps": "policy_drafter_steps_total",
+                 "nodes": "policy_verified_draft_nodes_total", "width": "policy_verify_width_total"}
+        for key, name in names.items():  # per-step choices: how often it drafted, how much it verified
+            lines.append(f"# TYPE dflashkit_{name} counter")
+            lines += [f'dflashkit_{name}{{setting="{k}"}} {v[key]}' for k, v in (policy or {}).items()]
         return "\n".join(lines) + "\n"
 
 

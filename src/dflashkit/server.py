@@ -146,7 +146,7 @@ def build_app(engine: DFlashEngine, tokenizer, model_name: str, max_batch: int =
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(sched.metrics.prometheus())
+        return PlainTextResponse(sched.metrics.prometheus(sched.engine.policy_stats()))
 
     async def handle(req, request: Request, chat: bool):
         why = check_limits(req, limits)

@@ -59,13 +59,15 @@ class DraftNodes:
     depth: torch.Tensor  # [b, m] 1 + the parent's depth
     max_depth: int  # a bound known on the host (no sync): the deepest a node can be
     alive: torch.Tensor | None = None  # [b, m] bool, False = padding (never accepted); None = all alive
+    logp: torch.Tensor | None = None  # [b, m] the drafter's log-probability of each node's path (when asked)
 
 
-def chain_nodes(chain: torch.Tensor) -> DraftNodes:
-    """chain: [b, m] -> the chain as drafter nodes: node j has parent j - 1."""
+def chain_nodes(chain: torch.Tensor, logp: torch.Tensor | None = None) -> DraftNodes:
+    """chain: [b, m] -> the chain as drafter nodes: node j has parent j - 1. logp: [b, m] each token's
+    log-probability (optional): node j's path log-probability is their running sum."""
     b, m = chain.shape
     j = torch.arange(1, m + 1, device=chain.device).expand(b, m)
-    return DraftNodes(chain, j - 1, j, m)
+    return DraftNodes(chain, j - 1, j, m, logp=None if logp is None else logp.float().cumsum(1))
 
 
 def topk_tree(tokens: torch.Tensor, logp: torch.Tensor, n: int, min_prob: float = 0.0) -> DraftNodes:
@@ -112,7 +114,7 @@ def topk_tree(tokens: torch.Tensor, logp: torch.Tensor, n: int, min_prob: float 
     new_index.scatter_(1, chosen + 1, torch.arange(1, n + 1, device=dev).expand(b, n))
     parent = new_index.gather(1, torch.cat(parents, 1).gather(1, chosen) + 1)
     return DraftNodes(torch.cat(toks, 1).gather(1, chosen), parent, depth.expand(b, D * K).gather(1, chosen), min(n, D),
-                      alive)
+                      alive, score.gather(1, chosen).float())
 
 
 def build(anchor: torch.Tensor, draft: DraftNodes | None, branch: torch.Tensor, branch_len: torch.Tensor) -> DraftTree:
@@ -150,6 +152,23 @@ def build(anchor: torch.Tensor, draft: DraftNodes | None, branch: torch.Tensor, 
                                       torch.ones_like(d_tok, dtype=torch.bool) if draft.alive is None else draft.alive,
                                       branch_alive], 1),
                      max_depth=max(dmax, k))
+
+
+def prune(tree: DraftTree, keep: torch.Tensor, width: int, max_depth: int) -> DraftTree:
+    """The tree cut to the nodes in keep [b, W] (prefix-closed, the anchor kept): each row's kept nodes first, in
+    their order (parents before children stay so), then dead padding up to `width` (the widest row's kept count)
+    and max_depth (the deepest kept node), both known on the host. Node indices change; slots follow them."""
+    b, W = keep.shape
+    dev = keep.device
+    key = torch.arange(W, device=dev) + torch.where(keep, 0, W)  # kept first, each group in node order
+    key = key.sort(dim=1).values[:, :width]
+    chosen, alive = key % W, key < W
+    new_index = torch.zeros(b, W, dtype=torch.long, device=dev)  # old node -> new node (dropped ones: 0)
+    new_index.scatter_(1, chosen, torch.arange(width, device=dev).expand(b, width).contiguous())
+    parent = new_index.gather(1, tree.parent.gather(1, chosen))
+    depth = torch.where(alive, tree.depth.gather(1, chosen), 1)  # padding: any depth <= max_depth will do
+    return DraftTree(tokens=tree.tokens.gather(1, chosen), parent=torch.where(alive, parent, 0), depth=depth,
+                     alive=alive & tree.alive.gather(1, chosen), max_depth=max(max_depth, 1 if width > 1 else 0))
 
 
 def ancestors(tree: DraftTree) -> torch.Tensor:

@@ -49,6 +49,12 @@ class EngineMethod:
     def with_sampling(self, sampling, name: str) -> "EngineMethod":
         return EngineMethod(self.engine, self.config, sampling, name)
 
+    def policy_stats(self):
+        """A copy of the adaptive policy's running counts (None for a fixed row): diff two for one run's."""
+        import dataclasses
+        pol = self.engine.policy(self.config)
+        return dataclasses.replace(pol.stats) if pol.adaptive else None
+
     def run(self, prompt_ids: list[list[int]], max_new: int) -> list[Turn]:
         gens = self.engine.generate(prompt_ids, sampling=self.sampling, max_new_tokens=max_new, config=self.config)
         spec = self.config.speculative
@@ -259,17 +265,18 @@ def _dflash(ctx):
     return {f"dflash-b{b}": _ours(ctx, f"dflash-b{b}", DecodeConfig(block_size=b)) for b in ctx.cfg.block_sizes}
 
 
-def _tree_rows(ctx, lookup: bool):
-    """dflash-lookup / dflash-tree: the configured drafter tree (and lookup branch) at each lookup block size."""
+def _tree_rows(ctx, lookup: bool, policy: str | None = None):
+    """dflash-lookup / dflash-tree: the configured drafter tree (and lookup branch) at each lookup block size, with
+    the configured step policy (or `policy`); the row name ends in it."""
     ctx.need_drafter()
-    d = ctx.cfg.decode
+    d = ctx.cfg.decode.replace(policy=policy)
     if not lookup and d.tree < 1:
         raise DFlashError("method dflash-tree needs --tree N (drafter tree nodes, N >= 1).")
     lk = d.lookup if lookup else LookupParams()
     tree = f"-tree{d.tree}" + (f"p{d.tree_min_prob:g}" if d.tree_min_prob else "") if d.tree else ""
     rows = {}
     for b in ctx.cfg.lookup_block_sizes or ctx.cfg.block_sizes:
-        name = f"dflash-b{b}{tree}" + (f"-lookup{lk.max_tokens}" if lk.enabled else "")
+        name = f"dflash-b{b}{tree}" + (f"-lookup{lk.max_tokens}" if lk.enabled else "") + f"-{d.policy}"
         rows[name] = _ours(ctx, name, d.replace(block_size=b, lookup=lk))
     return rows
 
@@ -326,6 +333,7 @@ PEERS = {
     "ar": _ar,
     "dflash": _dflash,
     "dflash-lookup": lambda ctx: _tree_rows(ctx, lookup=True),
+    "dflash-lookup-fixed": lambda ctx: _tree_rows(ctx, lookup=True, policy="fixed"),
     "dflash-tree": lambda ctx: _tree_rows(ctx, lookup=False),
     "lookup": _lookup,
     "hf": _hf,

@@ -31,11 +31,24 @@ def markdown(report: dict) -> str:
         lines += ["", f"Throughput (tokens/s, prefill included) vs batch size, {d} first turns:", "",
                   "| method | " + " | ".join(f"batch {n}" for n in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
         for m, r in rows.items():
-            lines.append(f"| {m} | " + " | ".join(f"{r[str(n)]['tokens_per_s']:.1f} (tau {r[str(n)]['tau']:.2f})"
-                                                   for n in sizes) + " |")
+            lines.append(f"| {m} | " + " | ".join(_batch_cell(r[str(n)]) for n in sizes) + " |")
+    pol = [(d, m, r["policy"]) for d, rows in report["results"].items() for m, r in rows.items() if "policy" in r]
+    if pol:
+        lines += ["", "What the adaptive policy chose (per step: run the drafter or not; draft nodes verified per "
+                  "row):", "",
+                  "| dataset | method | steps | drafter ran | draft nodes per row | mean verify width |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {d} | {m} | {p['steps']} | {100 * p['drafter_fraction']:.0f} % | {p['nodes_per_row']:.2f} | "
+                  f"{p['mean_width']:.2f} |" for d, m, p in pol]
     for m, why in report.get("skipped", {}).items():
         lines.append(f"\nskipped `{m}`: {why}")
     return "\n".join(lines) + "\n"
+
+
+def _batch_cell(r: dict) -> str:
+    p = r.get("policy")
+    extra = f", drafter {100 * p['drafter_fraction']:.0f} %, {p['nodes_per_row']:.1f} nodes/row" if p else ""
+    return f"{r['tokens_per_s']:.1f} (tau {r['tau']:.2f}{extra})"
 
 
 def plots(report: dict, out: Path) -> list[Path]:
@@ -47,7 +60,7 @@ def plots(report: dict, out: Path) -> list[Path]:
 
     paths = []
     for name, draw in (("speedup", _speedup), ("acceptance", _acceptance), ("block_size", _block_size),
-                       ("batch", _batch), ("temperature", _temperature)):
+                       ("batch", _batch), ("policy", _policy), ("temperature", _temperature)):
         fig = draw(plt, report)
         if fig is not None:
             fig.tight_layout()
@@ -99,16 +112,21 @@ def _block_size(plt, report: dict):
                 curves.setdefault(f"{d}" + (f" @{temp}" if temp else ""), []).append((b, r["tau"], r["tokens_per_s"]))
     if not any(len(c) > 2 for c in curves.values()):
         return None
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    return _two_panels(plt, curves, "block size (1 = ar)", ("tau (tokens per target pass)", "tokens/s"))
+
+
+def _two_panels(plt, curves: dict, xlabel: str, ylabels: tuple[str, str]):
+    """curves: {label: [(x, left y, right y)]} -> two side-by-side panels, log2 x."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for label, pts in curves.items():
         pts.sort()
-        a1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        a2.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=label)
-    for a, yl in ((a1, "tau (tokens per target pass)"), (a2, "tokens/s")):
+        for i, a in enumerate(axes):
+            a.plot([p[0] for p in pts], [p[1 + i] for p in pts], marker="o", label=label)
+    for a, yl in zip(axes, ylabels):
         a.set_xscale("log", base=2)
-        a.set_xlabel("block size (1 = ar)")
+        a.set_xlabel(xlabel)
         a.set_ylabel(yl)
-    a1.legend(fontsize=8)
+    axes[0].legend(fontsize=7)
     return fig
 
 
@@ -125,6 +143,19 @@ def _batch(plt, report: dict):
     ax.set_ylabel("throughput, tokens/s")
     ax.legend(fontsize=8)
     return fig
+
+
+def _policy(plt, report: dict):
+    """The adaptive policy's chosen draft size (nodes verified per row per step) and the observed tokens per pass,
+    against batch size."""
+    rows = [(d, m, r) for d, ms in report.get("sweeps", {}).get("batch", {}).items() for m, r in ms.items()
+            if any("policy" in x for x in r.values())]
+    if not rows:
+        return None
+    curves = {f"{d} {m}": [(int(n), x["policy"]["nodes_per_row"], x["tau"]) for n, x in r.items()]
+              for d, m, r in rows}
+    return _two_panels(plt, curves, "batch size", ("draft nodes verified per row per step",
+                                                    "tau (tokens per target pass)"))
 
 
 def _temperature(plt, report: dict):

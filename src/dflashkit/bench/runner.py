@@ -93,6 +93,7 @@ def batch_sweep(method: EngineMethod, prompts: list[list[int]], sizes: list[int]
     for n in sizes:
         chunks = [prompts[i:i + n] for i in range(0, len(prompts), n)]
         toks, cycles, wall = 0, [], 0.0
+        before = method.policy_stats()
         for chunk in tqdm(chunks, desc=f"{desc} batch {n}", unit="batch"):
             t0 = time.perf_counter()
             turns = method.run(chunk, max_new)
@@ -101,6 +102,8 @@ def batch_sweep(method: EngineMethod, prompts: list[list[int]], sizes: list[int]
             cycles += [a for t in turns for a in t.accepted]
         out[str(n)] = {"tokens_per_s": round(toks / wall, 3) if wall else 0.0, "tau": round(stats.tau(cycles), 4),
                        "prompts": len(prompts)}
+        if before is not None:  # what the adaptive policy chose at this batch size
+            out[str(n)]["policy"] = method.policy_stats().since(before).summary()
     return out
 
 
@@ -123,8 +126,11 @@ def run_dataset(ctx: BenchContext, methods: dict, items: list[list[str]], dname:
     cfg = ctx.cfg
     results, outputs = {}, {}
     for mname, method in methods.items():
+        before = method.policy_stats() if isinstance(method, EngineMethod) else None
         turns, outputs[mname] = run_items(method, items, ctx.tok, cfg.max_new_tokens, f"{dname}/{mname}")
         results[mname] = aggregate(turns, max(getattr(method, "span", getattr(method, "block_size", 1)), 1))
+        if before is not None:
+            results[mname]["policy"] = method.policy_stats().since(before).summary()
     for t in cfg.temperatures:  # our rows, sampled: tau and speed at T > 0 (outputs differ by design)
         for mname, method in ((n, m) for n, m in methods.items() if isinstance(m, EngineMethod)):
             sampled = method.with_sampling(SamplingParams(temperature=t, seed=0), f"{mname}@T{t:g}")

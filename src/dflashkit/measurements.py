@@ -1,0 +1,53 @@
+"""Measurements cached per machine: what they depend on (`machine_key`) and the JSON table they are kept in
+(`lookup`, `store`; written atomically, so a concurrent reader sees the old or the new table). The exactness
+self-check (`invariance.py`) and the step cost model (`policy.py`) are measured once per machine this way."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+
+import torch
+
+
+def machine_key(*parts) -> str:
+    """A short digest of `parts` plus the CPU (model and flags), torch build and thread count."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    cpu = platform.processor() or platform.machine()
+    raw = "|".join(map(str, parts)) + f"|{torch.__version__}|{torch.get_num_threads()}|{cpu}|{flags}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _table(file) -> dict:
+    if file and os.path.isfile(file):
+        try:
+            with open(file) as f:
+                return json.load(f)
+        except (OSError, ValueError):  # a damaged cache is measured again, not trusted
+            return {}
+    return {}
+
+
+def lookup(file: str | os.PathLike | None, key: str) -> dict | None:
+    """The entry stored under `key` in `file`, or None."""
+    return _table(file).get(key)
+
+
+def store(file: str | os.PathLike | None, key: str, value: dict) -> None:
+    """Add `value` under `key` to the JSON table in `file` (nothing when file is None)."""
+    if not file:
+        return
+    table = _table(file)
+    table[key] = value
+    os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
+    tmp = f"{file}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(table, f, indent=1)
+    os.replace(tmp, file)

@@ -1,0 +1,160 @@
+"""The adaptive step policy: its cost model, its calibration, the cut it chooses, and exactness with it on."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_drafter, make_target
+from dflashkit import DecodeConfig, DFlashEngine, DFlashError
+from dflashkit.lookup import LookupParams
+from dflashkit.policy import (ANCHOR, DRAFT_GRID, VERIFY_GRID, Acceptance, CostModel, best_cut, load_or_calibrate)
+from dflashkit.tree import DraftNodes, accept, build, prune, topk_tree
+from test_engine import PROMPTS, check_caches_while_decoding, reference_runs, with_oracle
+
+
+def cost(verify_floor: float, per_token: float, draft: float) -> CostModel:
+    """A fixed (not learning) cost model: a pass costs floor + per_token * tokens; the drafter `draft` ms."""
+    return CostModel([verify_floor + per_token * n for n in VERIFY_GRID], 0.0, [draft] * len(DRAFT_GRID),
+                     learn=False)
+
+
+FLAT = cost(10.0, 0.01, 0.001)  # drafting and verifying are nearly free: keep every node worth anything
+STEEP = cost(10.0, 10.0, 30.0)  # every verified token costs a full pass: plain AR, with probes of the drafter
+MID = cost(10.0, 0.5, 2.0)  # in between: the cut falls inside the tree
+
+ADAPTIVE = DecodeConfig(block_size=8, tree=6, lookup=LookupParams(max_tokens=4), policy="adaptive")
+
+
+# ---- the cut ------------------------------------------------------------------------------------------------
+def test_best_cut_is_plain_ar_when_no_node_pays():
+    v = np.array([[ANCHOR, 0.3, 0.2], [ANCHOR, 0.1, -np.inf]])
+    lam, width, gain, rate = best_cut(v, 2, lambda w: 10.0 * w)  # each extra column costs a full pass
+    assert (lam, width, gain) == (math.inf, 1, 0.0) and rate == pytest.approx(2 / 10)
+
+
+def test_best_cut_keeps_what_pays_and_counts_the_widest_row():
+    v = np.array([[ANCHOR, 0.9, 0.8, 0.05], [ANCHOR, 0.7, -np.inf, -np.inf]])
+    lam, width, gain, _ = best_cut(v, 2, lambda w: 10.0 + 1.0 * w)  # a column costs 1/11 of a pass
+    assert lam == pytest.approx(0.7) and width == 3 and gain == pytest.approx(0.9 + 0.8 + 0.7)
+    lam, width, _, _ = best_cut(v, 2, lambda w: 10.0)  # free columns: every node that can be verified
+    assert lam == pytest.approx(0.05) and width == 4
+
+
+def test_cost_model_interpolates_extrapolates_and_learns():
+    c = CostModel([10.0 * n for n in VERIFY_GRID], 2.0, [5.0, 8.0, 20.0])
+    assert c.verify(3, 0) == pytest.approx(30.0)
+    assert c.verify(128, 0) == pytest.approx(1280.0)  # the last segment's slope beyond the grid
+    assert c.verify(4, 500) == pytest.approx(40.0 + 2.0 * 4 * 0.5)
+    assert c.draft(2) == pytest.approx(6.0)
+    for _ in range(60):  # the machine is really twice as slow at 8 tokens: the model follows
+        c.observe(8, 0, 0, 160.0)
+    assert c.verify(8, 0) == pytest.approx(160.0, rel=0.02)
+    assert c.verify(1, 0) == pytest.approx(10.0)  # points far away stay
+    frozen = CostModel([1.0] * len(VERIFY_GRID), 0.0, [1.0] * 3, learn=False)
+    frozen.observe(8, 0, 1, 1e6)
+    assert frozen.verify(8, 0) == 1.0
+
+
+def test_acceptance_calibrates_toward_what_verification_observed():
+    acc = Acceptance()
+    p = torch.tensor([[0.92]])
+    assert acc.drafter_values(p).item() == pytest.approx(0.925, abs=0.03)  # the prior: the drafter's own claim
+    acc.observe_drafter([0.92] * 200, [False] * 180 + [True] * 20)  # overconfident drafter
+    assert acc.drafter_values(p).item() == pytest.approx(0.13, abs=0.03)
+    assert acc.lookup_rate(4) > acc.lookup_rate(1)  # prior: a longer match copies better
+    for _ in range(50):
+        acc.observe_lookup(4, [7, 8, 9], [7, 5])  # first token right, second wrong, third undecided
+    assert acc.lookup_rate(4) == pytest.approx(0.5, abs=0.03)
+    r = acc.report()
+    assert r["drafted"][-2] == 200 and r["observed"][-2] == pytest.approx(0.1)
+
+
+def test_prune_keeps_a_prefix_closed_subtree_with_its_paths():
+    gen = torch.Generator().manual_seed(0)
+    b, D, K = 3, 4, 3
+    toks = torch.randint(20, 90, (b, D, K), generator=gen)
+    logp = torch.rand(b, D, K, generator=gen).log().sort(dim=-1, descending=True).values
+    tree = build(torch.tensor([1, 2, 3]), topk_tree(toks, logp, 8), torch.tensor([[5, 6], [7, 8], [0, 0]]),
+                 torch.tensor([2, 1, 0]))
+    keep = torch.zeros_like(tree.alive)
+    keep[:, 0] = True
+    keep[0, 1:4] = True  # the first drafter nodes of row 0 (parents come first: prefix-closed)
+    keep[1, tree.width - 2] = True  # row 1's lookup token (its parent: the anchor or a drafter node)
+    par = int(tree.parent[1, tree.width - 2])
+    keep[1, par] = True
+    keep = keep & (tree.alive | (torch.arange(tree.width) == 0))
+    width = int(keep.sum(1).max())
+    small = prune(tree, keep, width, tree.max_depth)
+    assert small.width == width
+    for r in range(b):
+        old = keep[r].nonzero()[:, 0].tolist()
+        assert small.tokens[r, :len(old)].tolist() == tree.tokens[r, old].tolist()
+        assert small.depth[r, :len(old)].tolist() == tree.depth[r, old].tolist()
+        for new, o in enumerate(old):  # parents map to the same tokens
+            assert small.tokens[r, small.parent[r, new]] == tree.tokens[r, tree.parent[r, o]]
+        assert not small.alive[r, len(old):].any()
+    # accepting along a kept path gives the same tokens in both trees
+    choices = torch.randint(20, 90, (b, tree.width), generator=gen)
+    a, _ = accept(small, choices[:, :width])
+    assert (a <= small.max_depth).all()
+
+
+# ---- with the engine ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("model", [FLAT, MID, STEEP], ids=["flat", "mid", "steep"])
+def test_adaptive_greedy_equals_ar(arch, backend, model):
+    t = make_target(arch, backend=backend)
+    eng = DFlashEngine(t, make_drafter(t, block_size=8), eos_token_ids=[], config=ADAPTIVE, cost=model)
+    ar, ref = reference_runs(eng, PROMPTS, 40)
+    with_oracle(eng, ref, keep=0.8)
+    out = eng.generate(PROMPTS, max_new_tokens=40)
+    assert [g.tokens for g in out] == [g.tokens for g in ar]
+    single = eng.generate(PROMPTS[1:2], max_new_tokens=40)
+    assert single[0].tokens == ar[1].tokens
+    st = eng.policy_stats()["b8-tree6-lookup4"]
+    tau = sum(g.stats.tau for g in out) / len(out)
+    if model is FLAT:  # nothing to lose: about as many tokens per pass as verifying the whole tree every step
+        fixed = eng.generate(PROMPTS, max_new_tokens=40, config=ADAPTIVE.replace(policy="fixed"))
+        assert [g.tokens for g in fixed] == [g.tokens for g in ar]
+        assert tau > 0.85 * sum(g.stats.tau for g in fixed) / len(fixed) and st["drafter_fraction"] > 0.5
+    if model is STEEP:  # the drafter stopped running (probes only) and steps are mostly plain AR
+        assert st["drafter_fraction"] < 0.3 and st["nodes_per_row"] < 0.5
+    if model is MID:
+        assert 1 < st["mean_width"] < 1 + 6 + 4
+
+
+def test_adaptive_caches_hold_the_committed_context_when_the_drafter_skips_steps(arch):
+    """The drafter's pending features pile up over skipped steps and are ingested at its next forward: its cache
+    must still equal a fresh computation at every draft call."""
+    t = make_target(arch)
+    dr = make_drafter(t, block_size=4)
+    eng = DFlashEngine(t, dr, eos_token_ids=[], config=DecodeConfig(block_size=4, policy="adaptive"),
+                       cost=cost(10.0, 1.0, 12.0))
+    ar, ref = reference_runs(eng, PROMPTS, 30)
+    with_oracle(eng, ref, keep=0.7)
+    checked, _ = check_caches_while_decoding(eng, t, dr, PROMPTS, 30)
+    st = eng.policy_stats()["b4-tree0-lookup0"]
+    assert checked["draft"] >= 3 and st["drafter_steps"] < st["steps"]
+
+
+def test_the_cost_model_is_calibrated_once_and_cached(tmp_path, monkeypatch):
+    t = make_target("llama", dtype=torch.float32)
+    dr = make_drafter(t, block_size=4)
+    dr.to(torch.float32)
+    file = tmp_path / "cost.json"
+    eng = DFlashEngine(t, dr, eos_token_ids=[], config=DecodeConfig(block_size=4, policy="adaptive"),
+                       cost_file=str(file))
+    c1 = eng.policy(eng.config).cost
+    assert file.is_file() and all(x > 0 for x in c1.verify_ms + c1.draft_ms)
+    import dflashkit.policy as policy
+
+    monkeypatch.setattr(policy, "calibrate", lambda *a: pytest.fail("measured again instead of reading the cache"))
+    c2 = load_or_calibrate(t, eng.drafter_proposer(eng.config), file)
+    assert c2.verify_ms == c1.verify_ms
+
+
+def test_policy_is_validated():
+    with pytest.raises(DFlashError, match="policy must be one of"):
+        DecodeConfig(policy="greedy")
+    assert DecodeConfig.recommended().policy == "adaptive" and DecodeConfig().policy == "fixed"
