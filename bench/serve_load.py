@@ -3,7 +3,8 @@
     .venv/bin/python bench/serve_load.py [--requests 16] [--max-tokens 64] [--out bench/results/serve-load]
 
 Modes (`--modes`, comma list): `ar` and `dflash-b8` (`dflashkit serve` in its own process, block size 1 / 8 with
-the bundled drafter), `vllm` and `vllm-dflash-b8` (`vllm serve` from .venv-vllm, plain / with the bundled drafter
+the bundled drafter, no tree or lookup), `default` (`dflashkit serve` as shipped: the tree + lookup under the
+adaptive step policy), `default-fixed` (the same with `--policy fixed`), `vllm` and `vllm-dflash-b8` (`vllm serve` from .venv-vllm, plain / with the bundled drafter
 as `--speculative-config method=dflash`; built by scripts/vllm-env.sh, skipped with a message when absent).
 Every engine gets the same CPU threads (torch's count here; vLLM bound to cores 0..n-1). `--requests` chat
 requests (MT-Bench first turns, T=0) are sent by the `openai` client at concurrency 1, 2, 4, 8, 16. Reported:
@@ -58,19 +59,34 @@ def server_process(cmd: list[str], env: dict, log: Path, base: str, name: str):
         proc.wait(60)
 
 
+PLAIN = ["--lookup", "0", "--tree", "0", "--draft-vocab", "0"]  # the plain AR / DFlash rows, as committed
+DFLASHKIT_MODES = {"default": [], "default-fixed": ["--policy", "fixed"]}  # anything else: ar / dflash-bN
+
+
 @contextlib.contextmanager
-def dflashkit_server(block: int, dtype: str, threads: int, log: Path):
+def dflashkit_server(mode: str, dtype: str, threads: int, log: Path):
     """`dflashkit serve` in its own process, like `vllm serve`: the load generator never shares its interpreter."""
     import os
 
     port = free_port()
+    flags = DFLASHKIT_MODES.get(mode)
+    if flags is None:
+        flags = ["--block-size", str(int(mode.rsplit("-b", 1)[1]) if "-b" in mode else 1)] + PLAIN
     cmd = [str(Path(sys.executable).parent / "dflashkit"), "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", dtype, "--block-size", str(block), "--max-batch", "16", "--max-len", "1024",
-           "--model-name", "smollm2", "--lookup", "0", "--tree", "0", "--draft-vocab", "0"]  # plain AR / DFlash rows, as committed
+           "--dtype", dtype, "--max-batch", "16", "--max-len", "1024", "--model-name", "smollm2"] + flags
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     base = f"http://127.0.0.1:{port}"
     with server_process(cmd, env, log, base, "dflashkit serve"):
         yield base, None
+
+
+def policy_counters(base: str) -> tuple[float, float, float]:
+    """(steps, drafter steps, verified draft nodes) of the adaptive policy from `dflashkit serve`'s /metrics."""
+    text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
+
+    def total(name):
+        return sum(float(m) for m in re.findall(rf"^dflashkit_{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
+    return total("policy_steps_total"), total("policy_drafter_steps_total"), total("policy_verified_draft_nodes_total")
 
 
 def vllm_counters(base: str) -> tuple[float, float]:
@@ -134,7 +150,7 @@ def main() -> int:
             server = vllm_server(py, str(resolve_target_dir(None)), str(BUNDLED_DRAFTER) if block > 1 else None,
                                  block, args.dtype, threads, out / f"{mode}.log")
         else:
-            server = dflashkit_server(block, args.dtype, threads, out / f"{mode}.log")
+            server = dflashkit_server(mode, args.dtype, threads, out / f"{mode}.log")
         with server as (base, counters):
             client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
 
@@ -147,6 +163,7 @@ def main() -> int:
             ask(prompts[0])  # warm-up
             for conc in (1, 2, 4, 8, 16):
                 c0 = counters() if counters else None
+                p0 = policy_counters(base) if mode == "default" else None
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(conc) as ex:
                     res = list(ex.map(ask, prompts))
@@ -165,6 +182,11 @@ def main() -> int:
                              "per_user_tok_s_median": round(statistics.median(r[0] / r[1] for r in res), 2),
                              "latency_s_median": round(statistics.median(r[1] for r in res), 3),
                              "tau": round(tau, 3)})
+                if p0:  # what the adaptive policy chose over this round
+                    p1 = policy_counters(base)
+                    steps = max(p1[0] - p0[0], 1)
+                    rows[-1]["drafter_fraction"] = round((p1[1] - p0[1]) / steps, 3)
+                    rows[-1]["draft_nodes_per_step"] = round((p1[2] - p0[2]) / steps, 2)
                 print(rows[-1], flush=True)
     meta = {"command": " ".join(sys.argv), "threads": threads, "dtype": args.dtype, "requests": len(prompts),
             "max_tokens": args.max_tokens, "prompts": "MT-Bench first turns", "skipped": skipped}
@@ -195,6 +217,20 @@ def report(meta: dict, rows: list[dict], out: Path) -> str:
            "|---|---|---|---|---|---|"]
     md += [f"| {r['mode']} | {r['concurrency']} | {r['throughput_tok_s']} | {r['per_user_tok_s_median']} | "
            f"{r['latency_s_median']} | {r['tau']} |" for r in rows]
+    pol = [r for r in rows if "drafter_fraction" in r]
+    if pol:
+        md += ["", "What the adaptive policy (`default`) chose per step, by concurrency:", "",
+               "| concurrency | drafter ran | draft nodes verified per step (all rows) |", "|---|---|---|"]
+        md += [f"| {r['concurrency']} | {100 * r['drafter_fraction']:.0f} % | {r['draft_nodes_per_step']} |"
+               for r in pol]
+    fixed = {r["concurrency"]: r for r in rows if r["mode"] == "default-fixed"}
+    ar = {r["concurrency"]: r for r in rows if r["mode"] == "ar"}
+    ada = [r for r in rows if r["mode"] == "default" and r["concurrency"] in fixed and r["concurrency"] in ar]
+    if ada:  # the acceptance rule of the adaptive policy: >= 0.95 x the better of AR and the fixed tree
+        md += ["", "| concurrency | default / max(ar, default-fixed), throughput |", "|---|---|"]
+        for r in ada:
+            best = max(ar[r["concurrency"]]["throughput_tok_s"], fixed[r["concurrency"]]["throughput_tok_s"])
+            md.append(f"| {r['concurrency']} | {r['throughput_tok_s'] / best:.3f} |")
     md += [f"\nskipped `{m}`: {why}" for m, why in meta.get("skipped", {}).items()]
     (out / "serve_load.md").write_text("\n".join(md) + "\n")
     import matplotlib

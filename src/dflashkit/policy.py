@@ -171,6 +171,10 @@ class Acceptance:
     claimed: np.ndarray = field(default_factory=lambda: np.zeros(len(PROB_EDGES) + 1))  # sum of p per bin
     lookup_tried: dict = field(default_factory=dict)
     lookup_right: dict = field(default_factory=dict)
+    # the honest check: each verified node's value AS PREDICTED when the policy chose it, against its outcome
+    predicted: np.ndarray = field(default_factory=lambda: np.zeros(10))  # sum of predictions per 0.1-wide bin
+    outcome: np.ndarray = field(default_factory=lambda: np.zeros(10))  # accepted nodes per bin
+    verified: np.ndarray = field(default_factory=lambda: np.zeros(10))
 
     def table(self) -> np.ndarray:
         """The calibrated acceptance of each bin."""
@@ -202,12 +206,22 @@ class Acceptance:
                 return
             self.lookup_right[n] = self.lookup_right.get(n, 0) + 1
 
+    def observe_prediction(self, value: float, accepted: bool) -> None:
+        k = min(int(value * 10), 9)
+        self.predicted[k] += value
+        self.outcome[k] += accepted
+        self.verified[k] += 1
+
     def report(self) -> dict:
-        """Predicted (mean claimed, calibrated) vs observed acceptance per bin, for the calibration plot."""
-        n = np.maximum(self.drafted, 1)
+        """For the calibration plot: per drafter-probability bin, the drafter's mean claim and the observed rate;
+        per bin of predicted acceptance (drafter and lookup nodes, predicted before verification), the mean
+        prediction and the observed rate."""
+        n, v = np.maximum(self.drafted, 1), np.maximum(self.verified, 1)
         return {"bins": list(PROB_EDGES), "drafted": self.drafted.tolist(), "claimed": (self.claimed / n).tolist(),
                 "observed": (self.accepted / n).tolist(),
-                "lookup": {str(k): [self.lookup_tried[k], self.lookup_right.get(k, 0)] for k in self.lookup_tried}}
+                "lookup": {str(k): [self.lookup_tried[k], self.lookup_right.get(k, 0)] for k in self.lookup_tried},
+                "predicted_nodes": self.verified.tolist(), "predicted_mean": (self.predicted / v).tolist(),
+                "predicted_observed": (self.outcome / v).tolist()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -272,6 +286,7 @@ class FixedPolicy:
 
 
 PROBE_MIN, PROBE_MAX = 4, 64  # steps between probes of a drafter that stopped paying (doubling back-off)
+PROBE_BUDGET = 0.03  # and at least enough steps that probing costs at most this share of plain decoding time
 
 
 class AdaptivePolicy:
@@ -282,16 +297,20 @@ class AdaptivePolicy:
 
     def __init__(self, cost: CostModel, acceptance: Acceptance | None = None):
         self.cost, self.acc = cost, acceptance or Acceptance()
-        self.ratio: dict[int, float] = {}  # live-rows bucket -> EMA of (best rate drafting) / (best rate without)
-        self.skipped: dict[int, int] = {}
-        self.interval: dict[int, int] = {}
+        # What drafting has been worth, per live row, in the steps that drafted (EMA): the expected accepted tokens
+        # of the chosen cut and its width. With the cost model they predict the rate of drafting at any batch size.
+        # The prior, before the drafter has run here: one accepted token per row from a 4-node cut (a modest drafter).
+        # Where even that would not pay (a CPU whose wide passes are slow, a big batch) the drafter waits for a probe.
+        self.gain, self.width, self.drafted_once = 1.0, 4.0, False
+        self.skipped = 0  # steps since the drafter last ran
+        self.backoff = PROBE_MIN
         self.stats = PolicyStats()
         self._plan: dict | None = None
         self._no_draft_rate = 0.0
 
     def _cost_of(self, batch):
         rows, ctx = len(batch.seqs), max(batch.starts)
-        return lambda w: self.cost.verify(rows * w, ctx + w)
+        return lambda w: self.cost.verify(rows * w, ctx + w)  # a pass w nodes wide over every row
 
     def _lookup_values(self, props: list, matched: list, seqs: list) -> np.ndarray:
         k = max((len(p) for p in props), default=0)
@@ -303,14 +322,18 @@ class AdaptivePolicy:
         return v
 
     def wants_drafter(self, batch, props: list, matched: list) -> bool:
-        """Run the drafter where it has been paying at this batch size, or when a probe is due."""
+        """Run the drafter where drafting is predicted to beat this step's best without it, or when a probe is due
+        (after `backoff` skipped steps, and never more often than PROBE_BUDGET of plain decoding time allows)."""
         live = sum(not s.finished for s in batch.seqs)
-        self._no_draft_rate = best_cut(self._lookup_values(props, matched, batch.seqs), live, self._cost_of(batch))[3]
-        bucket = live.bit_length()
-        ratio, skipped = self.ratio.get(bucket), self.skipped.get(bucket, 0)
-        if ratio is None or ratio > 1 or skipped + 1 >= self.interval.get(bucket, PROBE_MIN):
+        cost_of = self._cost_of(batch)
+        self._no_draft_rate = best_cut(self._lookup_values(props, matched, batch.seqs), live, cost_of)[3]
+        rows, w = len(batch.seqs), int(self.width)
+        verify = cost_of(w) + (self.width - w) * (cost_of(w + 1) - cost_of(w))
+        predicted = live * (1 + self.gain) / (self.cost.draft(rows) + verify)
+        budget = self.cost.draft(rows) / (PROBE_BUDGET * cost_of(1))
+        if predicted > self._no_draft_rate or self.skipped + 1 >= max(self.backoff, budget):
             return True
-        self.skipped[bucket] = skipped + 1
+        self.skipped += 1
         return False
 
     def choose(self, batch, tree, draft, props: list, matched: list, drafted: bool):
@@ -330,9 +353,10 @@ class AdaptivePolicy:
         live_rows = torch.tensor([not s.finished for s in batch.seqs], device=dev)
         vals = torch.where(tree.alive & live_rows[:, None], vals, -math.inf)
         vals[:, 0] = ANCHOR
+        own = vals
         for _ in range(tree.max_depth):  # a node is worth at most its parent: kept sets stay prefix-closed
             vals = torch.minimum(vals, vals.gather(1, tree.parent))
-        host = torch.stack([vals, p, tree.depth.float()]).cpu().numpy()  # the policy's one host read
+        host = torch.stack([vals, p, tree.depth.float(), own]).cpu().numpy()  # the policy's one host read
         live = int(live_rows.sum())
         sunk = self.cost.draft(b) if drafted else 0.0
         lam, width, gain, rate = best_cut(host[0], live, self._cost_of(batch), sunk)
@@ -340,19 +364,20 @@ class AdaptivePolicy:
         keep[:, 0] = True  # the anchor: its verification is the step itself
         depth = int(host[2][keep].max())
         if drafted:
-            self._update_ratio(live, rate / max(self._no_draft_rate, 1e-12))
+            self._learn_drafting(gain / max(live, 1), width, rate > self._no_draft_rate)
         kept = [np.flatnonzero(k) for k in keep]
-        self._plan = dict(kept=kept, p=host[1], m=m, width=width, drafted=drafted, rows=b,
+        self._plan = dict(kept=kept, p=host[1], own=host[3], m=m, width=width, drafted=drafted, rows=b,
                           ctx=max(batch.starts), props=props, matched=matched, live=live)
         return prune(tree, torch.from_numpy(keep).to(dev), width, depth)
 
-    def _update_ratio(self, live: int, step_ratio: float) -> None:
-        bucket = live.bit_length()
-        old = self.ratio.get(bucket)
-        self.ratio[bucket] = step_ratio if old is None else 0.7 * old + 0.3 * step_ratio
-        self.skipped[bucket] = 0
-        iv = self.interval.get(bucket, PROBE_MIN)
-        self.interval[bucket] = PROBE_MIN if step_ratio > 1 else min(2 * iv, PROBE_MAX)
+    def _learn_drafting(self, gain: float, width: int, paid: bool) -> None:
+        """A drafted step's best cut (expected accepted per live row, width) and whether it beat not drafting."""
+        keep = 0.7 if self.drafted_once else 0.0  # the first measurement replaces the prior
+        self.gain = keep * self.gain + (1 - keep) * gain
+        self.width = keep * self.width + (1 - keep) * width
+        self.drafted_once = True
+        self.skipped = 0
+        self.backoff = PROBE_MIN if paid else min(2 * self.backoff, PROBE_MAX)
 
     def observe(self, batch, host: list, span: int, ms: float) -> None:
         """After the commit: the step's time (cost model) and which kept nodes were accepted (calibration).
@@ -377,6 +402,8 @@ class AdaptivePolicy:
             st.committed += a + 1
             st.nodes += len(plan["kept"][r]) - 1
             for j, old in enumerate(plan["kept"][r]):
+                if old:
+                    self.acc.observe_prediction(float(plan["own"][r, old]), j in path)
                 if 1 <= old <= plan["m"]:
                     ps.append(float(plan["p"][r, old]))
                     ok.append(j in path)

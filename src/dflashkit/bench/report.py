@@ -32,6 +32,7 @@ def markdown(report: dict) -> str:
                   "| method | " + " | ".join(f"batch {n}" for n in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
         for m, r in rows.items():
             lines.append(f"| {m} | " + " | ".join(_batch_cell(r[str(n)]) for n in sizes) + " |")
+        lines += _adaptive_ratios(rows, sizes)
     pol = [(d, m, r["policy"]) for d, rows in report["results"].items() for m, r in rows.items() if "policy" in r]
     if pol:
         lines += ["", "What the adaptive policy chose (per step: run the drafter or not; draft nodes verified per "
@@ -43,6 +44,18 @@ def markdown(report: dict) -> str:
     for m, why in report.get("skipped", {}).items():
         lines.append(f"\nskipped `{m}`: {why}")
     return "\n".join(lines) + "\n"
+
+
+def _adaptive_ratios(rows: dict, sizes: list[int]) -> list[str]:
+    """Each adaptive row's throughput / the better of ar and its fixed twin, per batch size (the policy's bar)."""
+    out = []
+    for m, r in rows.items():
+        twin = m.removesuffix("-adaptive") + "-fixed"
+        if m.endswith("-adaptive") and twin in rows and "ar" in rows:
+            best = [max(rows["ar"][str(n)]["tokens_per_s"], rows[twin][str(n)]["tokens_per_s"]) for n in sizes]
+            out.append(f"| {m} / max(ar, fixed) | " + " | ".join(
+                f"{r[str(n)]['tokens_per_s'] / b:.3f}" if b else "-" for n, b in zip(sizes, best)) + " |")
+    return out
 
 
 def _batch_cell(r: dict) -> str:
@@ -60,7 +73,8 @@ def plots(report: dict, out: Path) -> list[Path]:
 
     paths = []
     for name, draw in (("speedup", _speedup), ("acceptance", _acceptance), ("block_size", _block_size),
-                       ("batch", _batch), ("policy", _policy), ("temperature", _temperature)):
+                       ("batch", _batch), ("policy", _policy), ("calibration", _calibration),
+                       ("temperature", _temperature)):
         fig = draw(plt, report)
         if fig is not None:
             fig.tight_layout()
@@ -156,6 +170,28 @@ def _policy(plt, report: dict):
               for d, m, r in rows}
     return _two_panels(plt, curves, "batch size", ("draft nodes verified per row per step",
                                                     "tau (tokens per target pass)"))
+
+
+def _calibration(plt, report: dict):
+    """The adaptive policy's acceptance model: the drafter's claimed path probability vs the observed acceptance
+    (left), and each verified node's predicted acceptance, as predicted before verification, vs observed (right)."""
+    cal = {m: c for m, c in report.get("calibration", {}).items() if sum(c.get("predicted_nodes", [])) > 0}
+    if not cal:
+        return None
+    fig, (a0, a1) = plt.subplots(1, 2, figsize=(10, 4))
+    for m, c in cal.items():
+        pts = [(x, y) for x, y, n in zip(c["claimed"], c["observed"], c["drafted"]) if n >= 10]
+        a0.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+        pts = [(x, y) for x, y, n in zip(c["predicted_mean"], c["predicted_observed"], c["predicted_nodes"]) if n >= 10]
+        a1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    for a, xl in ((a0, "drafter's path probability (claimed)"), (a1, "predicted acceptance (calibrated)")):
+        a.plot([0, 1], [0, 1], color="grey", linestyle=":")
+        a.set_xlabel(xl)
+        a.set_ylabel("observed acceptance")
+        a.set_xlim(0, 1)
+        a.set_ylim(0, 1)
+    a1.legend(fontsize=7)
+    return fig
 
 
 def _temperature(plt, report: dict):

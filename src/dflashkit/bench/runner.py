@@ -175,7 +175,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     for method in methods.values():
         if hasattr(method, "close"):
             method.close()
+    calibration = {n: m.engine.policy(m.config).acc.report() for n, m in ours.items() if m.policy_stats() is not None}
     return {
+        "calibration": calibration,  # the adaptive rows' acceptance model: predicted vs observed (calibration.png)
         "results": results,
         # every method's greedy/sampled token ids per turn (item order), written beside results.json so a
         # mismatch can be audited later without regenerating
