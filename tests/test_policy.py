@@ -30,16 +30,23 @@ ADAPTIVE = DecodeConfig(block_size=8, tree=6, lookup=LookupParams(max_tokens=4),
 # ---- the cut ------------------------------------------------------------------------------------------------
 def test_best_cut_is_plain_ar_when_no_node_pays():
     v = np.array([[ANCHOR, 0.3, 0.2], [ANCHOR, 0.1, -np.inf]])
-    lam, width, gain, rate = best_cut(v, 2, lambda w: 10.0 * w)  # each extra column costs a full pass
+    lam, width, gain, rate, _ = best_cut(v, 2, lambda w: 10.0 * w)  # each extra column costs a full pass
     assert (lam, width, gain) == (math.inf, 1, 0.0) and rate == pytest.approx(2 / 10)
 
 
 def test_best_cut_keeps_what_pays_and_counts_the_widest_row():
     v = np.array([[ANCHOR, 0.9, 0.8, 0.05], [ANCHOR, 0.7, -np.inf, -np.inf]])
-    lam, width, gain, _ = best_cut(v, 2, lambda w: 10.0 + 1.0 * w)  # a column costs 1/11 of a pass
+    lam, width, gain, _, _ = best_cut(v, 2, lambda w: 10.0 + 1.0 * w)  # a column costs 1/11 of a pass
     assert lam == pytest.approx(0.7) and width == 3 and gain == pytest.approx(0.9 + 0.8 + 0.7)
-    lam, width, _, _ = best_cut(v, 2, lambda w: 10.0)  # free columns: every node that can be verified
+    lam, width, _, _, _ = best_cut(v, 2, lambda w: 10.0)  # free columns: every node that can be verified
     assert lam == pytest.approx(0.05) and width == 4
+
+
+def test_best_cut_margin_weighs_the_extra_time_not_the_total():
+    v = np.array([[ANCHOR, 0.5]])
+    assert best_cut(v, 1, lambda w: 10.0 + 4.0 * (w - 1))[1] == 2  # 1.5 tokens / 14 ms beats 1 / 10 ms
+    assert best_cut(v, 1, lambda w: 10.0 + 4.0 * (w - 1), margin=1.5)[1] == 1  # not by enough for 1.5x the extra
+    assert best_cut(v, 1, lambda w: 10.0 + 0.001 * (w - 1), margin=1.5)[1] == 2  # nearly free: still taken
 
 
 def test_cost_model_interpolates_extrapolates_and_learns():

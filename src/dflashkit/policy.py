@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 VERIFY_GRID = (1, 2, 4, 8, 16, 32, 64)  # tokens per target pass timed by `calibrate` (linear beyond the last)
 DRAFT_GRID = (1, 4, 16)  # batch rows of the drafter's forward timed by `calibrate`
+# The time a cut costs beyond the AR step counts this much more when cuts are compared: the cost and acceptance
+# models are estimates, and a guess may only risk time where the predicted win is clear.
+MARGIN = 1.05
 PROB_EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # drafter path-probability bins
 ANCHOR = 1e9  # the anchor's value: always kept (its verification is the AR step itself)
 
@@ -225,13 +228,17 @@ class Acceptance:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def best_cut(values: np.ndarray, live: int, cost_of, sunk: float = 0.0) -> tuple[float, int, float, float]:
+def best_cut(values: np.ndarray, live: int, cost_of, sunk: float = 0.0,
+             margin: float = 1.0) -> tuple[float, int, float, float, float]:
     """values: [b, W] each node's expected acceptance (made prefix-closed: at most its parent's), the anchor column
     ANCHOR, -inf for nodes that cannot be verified; cost_of(w): ms of a pass w nodes wide; sunk: ms already spent
     (the drafter). Keeping the nodes worth >= a threshold gives, per threshold, a width (the widest row) and a gain
-    (the expected accepted tokens); returns (threshold, width, gain, committed tokens per ms) of the best one.
-    The AR step (the anchors alone) is always a candidate."""
-    best = (math.inf, 1, 0.0, live / (sunk + cost_of(1)))
+    (the expected accepted tokens); returns (threshold, width, gain, committed tokens per ms, the same judged
+    with the margin) of the best one.
+    The AR step (the anchors alone) is always a candidate; the others are judged with their time beyond it
+    multiplied by `margin`."""
+    base = cost_of(1)
+    best = (math.inf, 1, 0.0, live / (sunk + base), live / (base + margin * sunk))
     v = values[:, 1:]
     cands = np.unique(v[np.isfinite(v) & (v > 0)])[::-1]
     if cands.size == 0:
@@ -240,10 +247,14 @@ def best_cut(values: np.ndarray, live: int, cost_of, sunk: float = 0.0) -> tuple
     widths = 1 + keep.sum(2).max(1)
     gains = np.where(keep, v[None], 0.0).sum((1, 2))
     costs = {w: cost_of(int(w)) for w in np.unique(widths)}
-    rates = (live + gains) / (sunk + np.array([costs[w] for w in widths]))
-    k = int(np.argmax(rates))  # first maximum: the highest threshold, the narrowest pass
-    if rates[k] > best[3]:
-        best = (float(cands[k]), int(widths[k]), float(gains[k]), float(rates[k]))
+    spent = sunk + np.array([costs[w] for w in widths])
+    # Judged with the time beyond the AR step inflated by `margin`: the extra cost must be clearly paid for (where
+    # verifying is nearly free, any gain still is).
+    judged = (live + gains) / (base + margin * (spent - base))
+    k = int(np.argmax(judged))  # first maximum: the highest threshold, the narrowest pass
+    if judged[k] > best[4]:
+        best = (float(cands[k]), int(widths[k]), float(gains[k]), float((live + gains[k]) / spent[k]),
+                float(judged[k]))
     return best
 
 
@@ -326,12 +337,13 @@ class AdaptivePolicy:
         (after `backoff` skipped steps, and never more often than PROBE_BUDGET of plain decoding time allows)."""
         live = sum(not s.finished for s in batch.seqs)
         cost_of = self._cost_of(batch)
-        self._no_draft_rate = best_cut(self._lookup_values(props, matched, batch.seqs), live, cost_of)[3]
-        rows, w = len(batch.seqs), int(self.width)
-        verify = cost_of(w) + (self.width - w) * (cost_of(w + 1) - cost_of(w))
-        predicted = live * (1 + self.gain) / (self.cost.draft(rows) + verify)
-        budget = self.cost.draft(rows) / (PROBE_BUDGET * cost_of(1))
-        if predicted > self._no_draft_rate or self.skipped + 1 >= max(self.backoff, budget):
+        cut = best_cut(self._lookup_values(props, matched, batch.seqs), live, cost_of, margin=MARGIN)
+        self._no_draft_rate = cut[3]
+        rows, w, base = len(batch.seqs), int(self.width), cost_of(1)
+        spent = self.cost.draft(rows) + cost_of(w) + (self.width - w) * (cost_of(w + 1) - cost_of(w))
+        judged = live * (1 + self.gain) / (base + MARGIN * (spent - base))  # as `best_cut` judges a cut
+        budget = self.cost.draft(rows) / (PROBE_BUDGET * base)
+        if judged > cut[4] or self.skipped + 1 >= max(self.backoff, budget):
             return True
         self.skipped += 1
         return False
@@ -359,7 +371,7 @@ class AdaptivePolicy:
         host = torch.stack([vals, p, tree.depth.float(), own]).cpu().numpy()  # the policy's one host read
         live = int(live_rows.sum())
         sunk = self.cost.draft(b) if drafted else 0.0
-        lam, width, gain, rate = best_cut(host[0], live, self._cost_of(batch), sunk)
+        lam, width, gain, rate, _ = best_cut(host[0], live, self._cost_of(batch), sunk, MARGIN)
         keep = host[0] >= lam
         keep[:, 0] = True  # the anchor: its verification is the step itself
         depth = int(host[2][keep].max())

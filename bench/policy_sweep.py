@@ -1,0 +1,162 @@
+"""Throughput vs batch size of plain AR, the fixed tree + lookup and the adaptive policy, INTERLEAVED.
+
+    .venv/bin/python bench/policy_sweep.py --prompts 16 --max-new-tokens 32 --out bench/results/policy-batch
+
+Why interleaved: on a shared 2-core host the same command ran 40 % slower five minutes later (AR at batch 1:
+63 s, then 90 s, in one `dflashkit bench` run), which swamps a 5 % question. Here every chunk of prompts is
+decoded by all three methods back to back, in a rotating order, so drift hits them alike. Why decode throughput
+(generated tokens after the first / time after the prefill): the prefill is the same work for every method and on
+a CPU without bf16 units it dominates (4 HumanEval prompts: ~13 s of prefill, ~2 s of decoding 32 tokens) and
+varies by +-1 s, which would hide the decoding entirely; the total with prefill is kept in the JSON. Reported per
+batch size: decode tokens/s per method, tau, what the policy chose, and the median over chunks of
+adaptive / max(ar, fixed) besides the ratio of totals. The datasets are HumanEval and MT-Bench first turns.
+Writes policy_sweep.json, .md and .png (throughput and the policy's chosen draft size vs batch size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dflashkit import DecodeConfig, DFlashEngine
+from dflashkit.bench.datasets import load_dataset
+from dflashkit.loader import encode_chat, load_models
+
+METHODS = {"ar": DecodeConfig.autoregressive(), "fixed": DecodeConfig.recommended(policy="fixed"),
+           "adaptive": DecodeConfig.recommended()}
+
+
+def run_chunk(engine, prompts, config, max_new) -> tuple[int, float, float, list[int]]:
+    """(tokens, decode seconds, total seconds, accepted lengths): decode = after the prefill's first tokens."""
+    t0 = time.perf_counter()
+    toks, acc, t_first = 0, [], None
+    for step in engine.stream(prompts, max_new_tokens=max_new, config=config):
+        if t_first is None:  # the first yield: every prompt prefilled and its first token sampled
+            t_first, first = time.perf_counter(), sum(len(o.tokens) for o in step)
+        for o in step:
+            toks += len(o.tokens)
+            if o.finished:
+                acc += o.stats.accepted
+    end = time.perf_counter()
+    return toks - first, end - t_first, end - t0, acc
+
+
+def sweep(engine, prompts, sizes, max_new, desc) -> dict:
+    out = {}
+    for n in sizes:
+        chunks = [prompts[i:i + n] for i in range(0, len(prompts), n)]
+        tot = {m: [0, 0.0, 0.0, []] for m in METHODS}
+        ratios = []
+        pol = engine.policy(engine.resolve(METHODS["adaptive"]))
+        before = dict(vars(pol.stats))
+        for k, chunk in enumerate(tqdm(chunks, desc=f"{desc} batch {n}", unit="chunk")):
+            names = list(METHODS)
+            names = names[k % 3:] + names[:k % 3]  # rotate who goes first
+            rate = {}
+            for m in names:
+                toks, dec, total, acc = run_chunk(engine, chunk, METHODS[m], max_new)
+                tot[m][0] += toks
+                tot[m][1] += dec
+                tot[m][2] += total
+                tot[m][3] += acc
+                rate[m] = toks / dec
+            ratios.append(rate["adaptive"] / max(rate["ar"], rate["fixed"]))
+        after = vars(pol.stats)
+        steps = max(after["steps"] - before["steps"], 1)
+        rows = max(after["rows"] - before["rows"], 1)
+        out[str(n)] = {m: {"tokens_per_s": round(t[0] / t[1], 3), "with_prefill_s": round(t[2], 2),
+                           "tau": round(sum(a + 1 for a in t[3]) / max(len(t[3]), 1), 3)} for m, t in tot.items()}
+        best = max(out[str(n)]["ar"]["tokens_per_s"], out[str(n)]["fixed"]["tokens_per_s"])
+        out[str(n)]["adaptive_vs_best"] = round(out[str(n)]["adaptive"]["tokens_per_s"] / best, 4)
+        out[str(n)]["adaptive_vs_best_median_chunk"] = round(statistics.median(ratios), 4)
+        out[str(n)]["policy"] = {"drafter_fraction": round((after["drafter_steps"] - before["drafter_steps"]) / steps,
+                                                           4),
+                                 "nodes_per_row": round((after["nodes"] - before["nodes"]) / rows, 3),
+                                 "mean_width": round((after["width"] - before["width"]) / steps, 3)}
+        print(json.dumps({desc: {n: out[str(n)]}}), flush=True)
+    return out
+
+
+def report(meta: dict, res: dict, out: Path) -> str:
+    md = [f"# Step policy vs batch size (`{meta['command']}`)", "",
+          f"{meta['prompts']} prompts per dataset, {meta['max_new_tokens']} new tokens, greedy, {meta['dtype']}, "
+          f"{meta['threads']} threads, backend {meta['backend']} (exactness: {meta['exactness']}). Each chunk of "
+          "prompts is decoded by all three methods back to back (rotating order); tokens/s = decode throughput "
+          "(generated tokens after the first / time after the prefill). "
+          "fixed = the tree + lookup every step (`--policy fixed`), adaptive = the default (`--policy adaptive`).",
+          ""]
+    for d, rows in res.items():
+        sizes = sorted(int(n) for n in rows)
+        md += [f"## {d}", "", "| batch | ar tok/s | fixed tok/s (tau) | adaptive tok/s (tau) | adaptive / max(ar, fixed)"
+               " | median over chunks | drafter ran | draft nodes / row / step |", "|---|---|---|---|---|---|---|---|"]
+        for n in sizes:
+            r = rows[str(n)]
+            md.append(f"| {n} | {r['ar']['tokens_per_s']:.1f} | {r['fixed']['tokens_per_s']:.1f} "
+                      f"({r['fixed']['tau']:.2f}) | {r['adaptive']['tokens_per_s']:.1f} ({r['adaptive']['tau']:.2f}) "
+                      f"| **{r['adaptive_vs_best']:.3f}** | {r['adaptive_vs_best_median_chunk']:.3f} | "
+                      f"{100 * r['policy']['drafter_fraction']:.0f} % | {r['policy']['nodes_per_row']:.2f} |")
+        md.append("")
+    (out / "policy_sweep.md").write_text("\n".join(md) + "\n")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4))
+    for d, rows in res.items():
+        sizes = sorted(int(n) for n in rows)
+        for m in METHODS:
+            a0.plot(sizes, [rows[str(n)][m]["tokens_per_s"] for n in sizes], marker="o", label=f"{d} {m}")
+        a1.plot(sizes, [rows[str(n)]["policy"]["nodes_per_row"] for n in sizes], marker="o",
+                label=f"{d}: draft nodes / row")
+        a1.plot(sizes, [rows[str(n)]["adaptive"]["tau"] - 1 for n in sizes], marker="x", linestyle="--",
+                label=f"{d}: accepted / step (tau - 1)")
+    for a, yl in ((a0, "decode tokens/s"), (a1, "per row per step")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("batch size")
+        a.set_ylabel(yl)
+        a.legend(fontsize=7)
+    a0.set_title("throughput")
+    a1.set_title("adaptive: chosen draft size and acceptance")
+    fig.tight_layout()
+    fig.savefig(out / "policy_sweep.png", dpi=120)
+    plt.close(fig)
+    return "\n".join(md)
+
+
+def main() -> int:
+    import torch
+
+    from dflashkit.invariance import mode
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, action="append", default=None)
+    ap.add_argument("--out", default="bench/results/policy-batch")
+    args = ap.parse_args()
+    sizes = args.batch_size or [1, 2, 4, 8, 16]
+    target, tok, drafter, _ = load_models()
+    engine = DFlashEngine(target, drafter, tokenizer=tok)
+    sets = {d: [encode_chat(tok, it[0]) for it in load_dataset(d, args.prompts)] for d in ("humaneval", "mt-bench-t1")}
+    for m in METHODS.values():  # warm-up (and the cost model's calibration, if not cached)
+        engine.generate([sets["humaneval"][0]], max_new_tokens=4, config=m)
+    res = {d: sweep(engine, p, sizes, args.max_new_tokens, d) for d, p in sets.items()}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": " ".join(["bench/policy_sweep.py"] + sys.argv[1:]), "prompts": args.prompts,
+            "max_new_tokens": args.max_new_tokens, "dtype": str(target.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(), "backend": type(target).__name__, "exactness": mode(target),
+            "calibration": engine.policy(engine.resolve(METHODS["adaptive"])).acc.report(),
+            "cost_model": vars(engine.policy(engine.resolve(METHODS["adaptive"])).cost)}
+    (out / "policy_sweep.json").write_text(json.dumps({"meta": meta, "results": res}, indent=2) + "\n")
+    print(report(meta, res, out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
