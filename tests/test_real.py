@@ -156,7 +156,27 @@ def test_cli_rejects_bad_input_before_loading_and_explains_itself(tmp_path, caps
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--lookup LOOKUP" in text and "(default: 16)" in text and "(default: 20)" in text
-    assert "(default: None)" not in text and "--stream" in text
+    assert "(default: None)" not in text and "--stream" in text and "(default: adaptive)" in text
+    assert main(["bench", "--dataset", "mtbench"]) == 2  # a bad dataset name is caught before any weights load
+    assert "choose from humaneval" in capsys.readouterr().err
+    assert not _flags_without_help(), "every flag needs a description"
+
+
+def _flags_without_help() -> list[str]:
+    """Every subcommand's options (data's too) that show no description in --help."""
+    import argparse
+
+    from dflashkit.cli import build_parser
+
+    missing, todo = [], [("dflashkit", build_parser())]
+    while todo:
+        name, p = todo.pop()
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                todo += [(f"{name} {k}", sub) for k, sub in a.choices.items()]
+            elif not a.help and a.option_strings:
+                missing.append(f"{name} {a.option_strings[-1]}")
+    return missing
 
 
 def test_cli_generate_streams_and_compares_with_ar():

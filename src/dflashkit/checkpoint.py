@@ -87,8 +87,11 @@ def load_token_ranking(path: str | os.PathLike) -> list[int] | None:
 
 def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> DFlashDrafter:
-    """Load a Z Lab-format drafter directory. Missing or unexpected tensors are errors, never silent."""
+    """Load a Z Lab-format drafter directory (or a `dflashkit train` output directory, whose drafter/ it takes).
+    Missing or unexpected tensors are errors, never silent."""
     p = Path(path)
+    if not (p / CONFIG).is_file() and (p / "drafter" / CONFIG).is_file():
+        p = p / "drafter"
     if not p.is_dir():
         raise DFlashError(f"drafter path {p} is not a directory; give a Z Lab-format drafter directory.")
     cfg = read_config(p)

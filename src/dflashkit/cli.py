@@ -8,6 +8,7 @@ import logging
 import sys
 
 from . import __version__
+from .cli_training import training_parsers
 from .errors import DFlashError
 
 log = logging.getLogger("dflashkit")
@@ -198,43 +199,6 @@ def _print_stats(stats: dict, args, engine, ar) -> None:
               "Use --backend lean (bit-identical where supported) or --dtype float32 for bit-closer paths.")
 
 
-def cmd_data_prompts(args) -> int:
-    from .data import build_prompts, write_prompts
-
-    records, report = build_prompts(args.held_out, args.source)
-    path = write_prompts(records, report, args.out)
-    print(json.dumps({"prompts": str(path), **report}))
-    return 0
-
-
-def cmd_data_generate(args) -> int:
-    from .data import generate_responses, read_prompts
-    from .decode_config import DecodeConfig
-    from .engine import DFlashEngine
-    from .loader import load_target
-    from .sampling import SamplingParams
-
-    # Plain AR over big batches: the data is the target's own output, and speculation does not pay at batch 64.
-    target, tok = load_target(args.target, dtype=args.dtype, device=args.device, backend=args.backend)
-    engine = DFlashEngine(target, None, tokenizer=tok, config=DecodeConfig.autoregressive())
-    records = read_prompts(args.prompts)
-    for split in args.split:
-        paths = generate_responses(engine, tok, records, args.out, split, chunk_size=args.chunk_size,
-                                   max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-                                   sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p))
-        print(json.dumps({"split": split, "chunks": len(paths)}))
-    return 0
-
-
-def cmd_train(args) -> int:
-    from .train import TrainConfig, train
-
-    cfg = TrainConfig.from_file(args.config)
-    train(cfg)
-    print(json.dumps({"out_dir": cfg.out_dir}))
-    return 0
-
-
 def cmd_bench(args) -> int:
     from .bench import BenchConfig, markdown, run_bench, write_report
 
@@ -245,6 +209,11 @@ def cmd_bench(args) -> int:
     temps = args.temperature or [0.0]
     if any(t < 0 for t in temps) or any(n < 1 for n in args.batch_size or []):
         raise DFlashError("--temperature must be >= 0 and --batch-size >= 1.")
+    from .bench.datasets import load_dataset, load_prompt_file
+    for d in args.dataset or []:  # a bad dataset name or prompt file fails here, before the weights load
+        load_dataset(d, 1, args.speed_bench_dir)
+    if args.prompts:
+        load_prompt_file(args.prompts, 1)
     cfg = BenchConfig(datasets=args.dataset or [], prompts_file=args.prompts, limit=args.limit,
                       max_new_tokens=args.max_new_tokens, block_sizes=args.block_size or [16],
                       temperature=temps[0], temperatures=temps[1:], batch_sizes=args.batch_size or [],
@@ -318,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     _generate_and_data_parsers(sub)
     _bench_and_serve_parsers(sub)
-    _export_and_train_parsers(sub)
+    _export_parser(sub)
+    training_parsers(sub)  # data, train, check-drafter (`cli_training.py`)
     return ap
 
 
@@ -341,26 +311,6 @@ def _generate_and_data_parsers(sub) -> None:
     g.add_argument("--json", action="store_true", help='print one JSON object {"text": ..., "stats": {...}}')
     g.set_defaults(func=cmd_generate)
 
-    d = sub.add_parser("data", formatter_class=_Help, help="build training data")
-    d = d.add_subparsers(dest="data_command", required=True)
-    dp = d.add_parser("prompts", formatter_class=_Help,
-                      help="prompts from ShareGPT (offline) or your JSONL, minus benchmark overlap")
-    dp.add_argument("--out", required=True, help="output directory (prompts.jsonl + manifest.json)")
-    dp.add_argument("--source", default=None, help="JSONL of {prompt} or {messages} objects (default: ShareGPT)")
-    dp.add_argument("--held-out", type=float, default=0.02, help="fraction of conversations held out (by id hash)")
-    dp.set_defaults(func=cmd_data_prompts)
-    dg = d.add_parser("generate", formatter_class=_Help, help="regenerate responses with the target (resumable chunks)")
-    dg.add_argument("--prompts", required=True, help="prompts.jsonl from `dflashkit data prompts`")
-    dg.add_argument("--out", required=True, help="output directory (chunked JSONL; rerun to resume)")
-    dg.add_argument("--split", action="append", default=None, choices=["train", "heldout"],
-                    help="which prompts to answer (repeatable; default: both)")
-    _add_target_flags(dg, drafter=False)
-    dg.add_argument("--chunk-size", type=int, default=64, help="prompts per chunk (= batch size)")
-    dg.add_argument("--max-prompt-tokens", type=int, default=192, help="longer prompts are skipped")
-    dg.add_argument("--max-new-tokens", type=int, default=320, help="response length at most")
-    dg.add_argument("--temperature", type=float, default=0.0, help="0 = the target's greedy answers")
-    dg.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    dg.set_defaults(func=cmd_data_generate)
 
 
 def _bench_and_serve_parsers(sub) -> None:
@@ -407,7 +357,7 @@ def _bench_and_serve_parsers(sub) -> None:
     sv.set_defaults(func=cmd_serve)
 
 
-def _export_and_train_parsers(sub) -> None:
+def _export_parser(sub) -> None:
     ex = sub.add_parser("export", formatter_class=_Help,
                         help="write the drafter in the Z Lab or vLLM speculators layout")
     ex.add_argument("--format", required=True, choices=["zlab", "speculators"],
@@ -418,9 +368,6 @@ def _export_and_train_parsers(sub) -> None:
     _add_target_flags(ex)
     ex.set_defaults(func=cmd_export, dtype="float32")
 
-    t = sub.add_parser("train", formatter_class=_Help, help="train a drafter from a recipe file")
-    t.add_argument("--config", required=True, help="JSON recipe (every TrainConfig field)")
-    t.set_defaults(func=cmd_train)
 
 
 def main(argv: list[str] | None = None) -> int:
