@@ -89,42 +89,21 @@ def engine():
     return DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig(policy="fixed"))
 
 
-def _prompts(engine, n=3):
+def _prompts(engine, n=2):
     from dflashkit.bench.datasets import load_dataset
     from dflashkit.loader import encode_chat
 
-    return [encode_chat(engine.tokenizer, it[0]) for it in load_dataset("sharegpt-heldout", n)]
-
-
-def _broken(engine, **change):
-    from dflashkit import DFlashEngine
-    from dflashkit.drafter import DFlashDrafter
-
-    dr = DFlashDrafter(engine.drafter.config.replace(**change))
-    dr.load_state_dict(engine.drafter.state_dict())
-    return DFlashEngine(engine.target, dr, tokenizer=engine.tokenizer, config=engine.config)
+    # MT-Bench questions, not the held-out ShareGPT set the CLI defaults to: loading ShareGPT costs a minute here
+    return [encode_chat(engine.tokenizer, it[0]) for it in load_dataset("mt-bench-t1", n)]
 
 
 @pytest.mark.real
 def test_check_drafter_passes_the_bundled_drafter(engine):
     from dflashkit.diagnosis import check
 
-    d = check(engine, _prompts(engine), 32)
+    d = check(engine, _prompts(engine), 24)
     assert d.ok, d.summary()
     assert d.decoded_tau > 1.3 and abs(d.predicted_tau - d.decoded_tau) < 0.35, d.summary()
-
-
-@pytest.mark.real
-def test_check_drafter_raises_no_false_alarm_on_a_harmless_tap_offset(engine):
-    """The bundled drafter decodes about as well with its taps one layer later (measured: tau 1.69 vs 1.62 on 4
-    held-out prompts; neighbouring residual-stream layers are alike), so check-drafter must not call it broken; it
-    reports the probe. (A wrong mask token is caught: the CLI test below.)"""
-    from dflashkit.diagnosis import check
-
-    own = list(engine.drafter.config.target_layer_ids)
-    d = check(_broken(engine, target_layer_ids=[i + 1 for i in own]), _prompts(engine), 32)
-    assert f"taps {own}" in d.probes  # the offset was probed
-    assert d.ok == (d.probes[f"taps {own}"] < 1.25 * d.predicted_tau), d.summary()
 
 
 @pytest.mark.real
@@ -136,7 +115,9 @@ def test_check_drafter_cli_names_a_wrong_mask_token(tmp_path):
     bad = load_drafter(BUNDLED_DRAFTER).__class__(dr.config.replace(mask_token_id=0))
     bad.load_state_dict(dr.state_dict())
     save_drafter(bad, tmp_path / "bad")
-    proc = _cli("check-drafter", str(tmp_path / "bad"), "--limit", "3", "--max-new-tokens", "32")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
+    proc = _cli("check-drafter", str(tmp_path / "bad"), "--prompts", str(prompts), "--max-new-tokens", "24")
     text = proc.communicate(timeout=600)[0]
     assert proc.returncode == 1 and f"set mask_token_id to {dr.config.mask_token_id}" in text, text[-2000:]
     assert Path(tmp_path / "bad" / "config.json").is_file()
