@@ -61,18 +61,13 @@ def cmd_train(args) -> int:
 
 def _recipe_overrides(path: str) -> dict:
     """TrainConfig fields from a JSON file, for the one-command run (its out, data and target come from flags)."""
-    import dataclasses
-
     from .train import TrainConfig
 
     try:
         d = json.loads(open(path).read())
     except (OSError, ValueError) as e:
         raise DFlashError(f"cannot read the recipe {path} ({e}); give a JSON object of TrainConfig fields.") from None
-    known = {f.name for f in dataclasses.fields(TrainConfig)} - {"out_dir", "data_dir", "target"}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise DFlashError(f"unknown recipe keys {unknown}; valid keys: {sorted(known)}.")
+    TrainConfig.check_keys(d, exclude=("out_dir", "data_dir", "target"))
     return d
 
 

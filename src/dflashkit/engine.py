@@ -10,6 +10,7 @@ default is `DecodeConfig.recommended()`, the same system the CLI, the server and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -114,8 +115,9 @@ class DFlashEngine:
         if key not in self._policies:
             proposer = self.drafter_proposer(config)
             if self.cost is not None:
-                cost = CostModel(**{**self.cost.__dict__, "verify_ms": list(self.cost.verify_ms),
-                                    "draft_ms": list(self.cost.draft_ms)})
+                # a copy per policy: online learning moves its points, never the caller's model
+                cost = dataclasses.replace(self.cost, verify_ms=list(self.cost.verify_ms),
+                                           draft_ms=list(self.cost.draft_ms))
             else:
                 from .loader import cache_dir
                 file = cache_dir() / "cost.json" if self.cost_file == "default" else self.cost_file

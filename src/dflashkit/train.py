@@ -76,11 +76,16 @@ class TrainConfig:
             d = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise DFlashError(f"cannot read the recipe {path} ({e}); give a JSON file of TrainConfig fields.") from None
-        known = {f.name for f in dataclasses.fields(cls)}
+        cls.check_keys(d)
+        return cls(**d)
+
+    @classmethod
+    def check_keys(cls, d: dict, exclude: tuple = ()) -> None:
+        """Raise DFlashError naming the valid keys if `d` has a key that is no field (or one of `exclude`)."""
+        known = {f.name for f in dataclasses.fields(cls)} - set(exclude)
         unknown = sorted(set(d) - known)
         if unknown:
             raise DFlashError(f"unknown recipe keys {unknown}; valid keys: {sorted(known)}.")
-        return cls(**d)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
