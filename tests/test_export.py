@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -53,3 +54,99 @@ def test_export_refuses_missing_keys_and_tensors():
     del cfg["num_target_layers"]
     with pytest.raises(DFlashError, match="num_target_layers"):
         check_export(cfg, dict(dr.state_dict()), ZLAB_REQUIRED_CONFIG, 2)
+
+
+# ---- llama.cpp GGUF ------------------------------------------------------------------------------------------
+def _target_gguf(path, layers=6, hidden=32, vocab=96):
+    """A stand-in target GGUF: the fields the drafter export reads (architecture, size, tokenizer)."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), "llama")
+    w.add_uint32("llama.block_count", layers)
+    w.add_uint32("llama.embedding_length", hidden)
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(vocab)])
+    w.add_array("tokenizer.ggml.token_type", [1] * vocab)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_export_writes_what_llamacpp_reads(tmp_path):
+    from gguf import GGUFReader
+
+    from dflashkit.gguf_export import export_gguf, gguf_name
+
+    t = make_target("qwen3", dtype=torch.float32)
+    dr = make_drafter(t)  # taps [1, 3], mask id 3, block 8
+    out = export_gguf(dr, _target_gguf(tmp_path / "t.gguf"), tmp_path / "d.gguf", gguf_type="f32")
+    r = GGUFReader(str(out))
+    f = {k: v.contents() for k, v in r.fields.items()}
+    assert f["general.architecture"] == "dflash" and f["dflash.block_size"] == 8
+    assert f["dflash.target_layers"] == [2, 4]  # layer INPUT indices: our tap after layer i is layer i+1's input
+    assert f["tokenizer.ggml.mask_token_id"] == 3 and f["tokenizer.ggml.tokens"][5] == "t5"
+    assert f["tokenizer.ggml.add_bos_token"] is False and f["dflash.attention.head_count_kv"] == 2
+    assert f["dflash.block_count"] == 2 and f["dflash.attention.key_length"] == 8
+    tensors = {x.name: x for x in r.tensors}
+    state = dr.state_dict()
+    assert set(tensors) == {gguf_name(k) for k in state}  # no embedding, no head: llama.cpp shares the target's
+    for k, v in state.items():
+        x = tensors[gguf_name(k)]
+        assert list(x.shape) == list(reversed(v.shape))  # GGUF dims are innermost first
+        assert np.array_equal(np.asarray(x.data).reshape(v.shape), v.numpy())
+
+
+def test_gguf_export_reduced_vocabulary_ships_d2t_and_head_rows(tmp_path):
+    from gguf import GGUFReader
+
+    from dflashkit.gguf_export import export_gguf
+
+    t = make_target("llama", dtype=torch.float32)
+    dr = make_drafter(t)
+    dr.token_ranking = list(range(95, -1, -1))  # most frequent first
+    out = export_gguf(dr, _target_gguf(tmp_path / "t.gguf"), tmp_path / "d.gguf", head=t.lm_head_weight,
+                      draft_vocab=20, gguf_type="f16")
+    tensors = {x.name: x for x in GGUFReader(str(out)).tensors}
+    d2t = np.asarray(tensors["d2t"].data)
+    assert tensors["d2t"].tensor_type.name == "I64" and d2t.tolist() == list(range(76, 96))
+    head = np.asarray(tensors["output.weight"].data).reshape(20, 32)
+    assert tensors["output.weight"].tensor_type.name == "F16"
+    assert np.allclose(head, t.lm_head_weight[76:96].numpy(), atol=1e-3)
+    assert tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"  # norms stay f32
+
+
+@pytest.mark.parametrize("case", ["last-layer tap", "vocab", "no mask", "layers", "ranking"])
+def test_gguf_export_refuses_what_llamacpp_cannot_run(tmp_path, case):
+    from dflashkit.gguf_export import export_gguf
+
+    t = make_target("qwen3", dtype=torch.float32)
+    dr = make_drafter(t)
+    target = dict(layers=6, vocab=96)
+    match, vocab = {"last-layer tap": "last layer", "vocab": "vocabulary", "no mask": "mask_token_id",
+                    "layers": "layers", "ranking": "token ranking"}[case], 0
+    if case == "last-layer tap":
+        dr.config.target_layer_ids = [1, 5]
+    elif case == "vocab":
+        target["vocab"] = 100
+    elif case == "no mask":
+        dr.config.mask_token_id = None
+    elif case == "layers":
+        target["layers"] = 8
+    else:
+        vocab = 20  # the random drafter has no token ranking
+    with pytest.raises(DFlashError, match=match):
+        export_gguf(dr, _target_gguf(tmp_path / "t.gguf", **target), tmp_path / "d.gguf", head=t.lm_head_weight,
+                    draft_vocab=vocab)
+    assert not (tmp_path / "d.gguf").exists()
+    with pytest.raises(DFlashError, match="not a GGUF"):
+        export_gguf(dr, _not_gguf(tmp_path), tmp_path / "d.gguf")
+
+
+def _not_gguf(tmp_path):
+    p = tmp_path / "fake.gguf"
+    p.write_text("not a gguf")
+    return p

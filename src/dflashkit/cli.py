@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from . import __version__
 from .cli_training import training_parsers
@@ -267,16 +268,39 @@ def cmd_export(args) -> int:
     from .export import export_speculators, export_zlab
     from .loader import parse_dtype, resolve_target_dir
 
+    if args.draft_vocab < 0 or (args.draft_vocab and args.format != "gguf"):
+        raise DFlashError("--draft-vocab is an integer >= 0 and applies to --format gguf only.")
     target, tok, drafter, trained = load_target_and_drafter(args)
     if drafter is None:
         raise DFlashError("nothing to export: give --drafter DIR (the bundled drafter is for the default target).")
     dtype = parse_dtype(args.export_dtype)
-    if args.format == "zlab":
+    if args.format == "gguf":
+        out = _export_gguf(args, target, drafter)
+    elif args.format == "zlab":
         out = export_zlab(drafter, args.out, dtype)
     else:
         out = export_speculators(drafter, target, str(resolve_target_dir(args.target)), args.out, dtype)
     print(json.dumps({"format": args.format, "out": str(out), "drafter_trained": trained}))
     return 0
+
+
+def _export_gguf(args, target, drafter):
+    """The llama.cpp GGUF: the target's GGUF gives the tokenizer (an HF target is converted by llama.cpp's own
+    converter when --target-gguf names a file that does not exist yet)."""
+    from .gguf_export import convert_target, export_gguf
+    from .loader import default_gguf, resolve_target_dir
+
+    given = Path(args.target_gguf) if args.target_gguf else None
+    if given is None and (args.target is None or str(args.target).endswith(".gguf")):
+        given = Path(args.target) if args.target else default_gguf()
+    if given is None:
+        raise DFlashError("an HF target needs --target-gguf FILE: its GGUF (llama.cpp runs the pair), or a new path "
+                          "where llama.cpp's converter writes one.")
+    if not given.exists():
+        log.info("converting %s to %s with llama.cpp's converter", args.target, given)
+        convert_target(resolve_target_dir(args.target), given, Path(args.llamacpp_src))
+    return export_gguf(drafter, given, args.out, head=target.lm_head_weight, draft_vocab=args.draft_vocab,
+                       gguf_type=args.gguf_type)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -331,7 +355,7 @@ def _bench_and_serve_parsers(sub) -> None:
                    help="repeatable: throughput sweep of ar/dflash with N prompts decoded together (first turns)")
     b.add_argument("--methods", action="append", default=None,
                    help="comma list: ar,dflash,dflash-lookup,dflash-lookup-fixed,dflash-tree,lookup,hf,hf-lookup,"
-                        "llamacpp,zlab,vllm,vllm-dflash")
+                        "llamacpp,llamacpp-server,llamacpp-dflash,zlab,vllm,vllm-dflash")
     b.add_argument("--lookup-block-size", type=int, action="append", default=None,
                    help="repeatable: DFlash block sizes of the dflash-lookup and dflash-tree methods "
                         "(default: --block-size)")
@@ -359,12 +383,24 @@ def _bench_and_serve_parsers(sub) -> None:
 
 def _export_parser(sub) -> None:
     ex = sub.add_parser("export", formatter_class=_Help,
-                        help="write the drafter in the Z Lab or vLLM speculators layout")
-    ex.add_argument("--format", required=True, choices=["zlab", "speculators"],
-                    help="zlab = Z Lab's checkpoint layout (SGLang, Z Lab's package); speculators = vLLM's")
-    ex.add_argument("--out", required=True, help="output directory")
+                        help="write the drafter for SGLang / Z Lab, vLLM speculators or llama.cpp (GGUF)")
+    ex.add_argument("--format", required=True, choices=["zlab", "speculators", "gguf"],
+                    help="zlab = Z Lab's checkpoint layout (SGLang, Z Lab's package); speculators = vLLM's; "
+                         "gguf = llama.cpp's DFlash drafter file")
+    ex.add_argument("--out", required=True, help="output directory (zlab, speculators) or .gguf file (gguf)")
     ex.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                    help="dtype of the written weights")
+                    help="dtype of the written weights (zlab, speculators)")
+    ex.add_argument("--gguf-type", default="f16", choices=["f32", "f16", "bf16", "q8_0"],
+                    help="tensor type of the drafter's matrices in the GGUF (norms stay f32)")
+    ex.add_argument("--draft-vocab", type=int, default=0,
+                    help="gguf: draft over the drafter's N most frequent training ids (llama.cpp's d2t; the head "
+                         "reads N rows instead of the whole vocabulary); 0 = full vocabulary")
+    ex.add_argument("--target-gguf", default=None,
+                    help="gguf: the target's GGUF, whose tokenizer the drafter file carries (default: --target when "
+                         "it is a .gguf); for an HF target, a path that does not exist yet is written by "
+                         "llama.cpp's converter")
+    ex.add_argument("--llamacpp-src", default=".llamacpp/src",
+                    help="gguf: llama.cpp's source (for its converter; scripts/llamacpp-build.sh puts it there)")
     _add_target_flags(ex)
     ex.set_defaults(func=cmd_export, dtype="float32")
 
