@@ -9,7 +9,8 @@ import torch
 
 from dflashkit import DecodeConfig, DFlashEngine
 from dflashkit.lookup import LookupParams
-from dflashkit.loader import convert_gguf, default_gguf, encode_chat, load_default_drafter, load_target, resolve_target_dir
+from dflashkit.loader import (BUNDLED_DRAFTER, convert_gguf, default_gguf, encode_chat, load_default_drafter, load_target,
+                              resolve_target_dir)
 
 pytestmark = pytest.mark.real
 
@@ -235,3 +236,15 @@ def test_cli_bench_and_export_run_end_to_end(tmp_path, capsys):
     assert main(["export", "--format", "zlab", "--out", str(tmp_path / "zlab")]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["format"] == "zlab"
     assert (tmp_path / "zlab" / "config.json").is_file()
+    # llama.cpp's GGUF: the draft body, the target GGUF's tokenizer, a reduced draft vocabulary (d2t + head rows)
+    from gguf import GGUFReader
+
+    assert main(["export", "--format", "gguf", "--draft-vocab", "4096", "--out", str(tmp_path / "d.gguf")]) == 0
+    r = GGUFReader(str(tmp_path / "d.gguf"))
+    assert r.fields["general.architecture"].contents() == "dflash"
+    taps = json.loads((BUNDLED_DRAFTER / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    assert r.fields["dflash.target_layers"].contents() == [i + 1 for i in taps]  # llama.cpp counts layer inputs
+    assert {t.name: list(t.shape) for t in r.tensors if t.name in ("d2t", "output.weight")} == {
+        "d2t": [4096], "output.weight": [576, 4096]}
+    assert main(["export", "--format", "zlab", "--draft-vocab", "8", "--out", str(tmp_path / "x")]) == 2
+    assert "gguf only" in capsys.readouterr().err

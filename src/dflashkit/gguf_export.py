@@ -183,6 +183,7 @@ def export_gguf(drafter: DFlashDrafter, target_gguf: str | Path, out: str | Path
         w.write_tensors_to_file()
         w.close()
 
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # its writer announces every file at INFO
     atomic_write(out, write)
     log.info("wrote %s (%s, %d tensors, %s)", out, gguf_type, len(tensors) + (rows is not None),
              f"draft vocabulary {len(rows)}" if rows is not None else "full vocabulary")

@@ -315,6 +315,11 @@ def _llamacpp(ctx):
     return {"llamacpp": LlamaCppMethod(str(gguf), ctx.tok.eos_token_id)}
 
 
+def _llama_server(ctx, dflash: bool):
+    from .llamacpp import llamacpp_dflash, llamacpp_server  # llama.cpp's own binaries (scripts/llamacpp-build.sh)
+    return llamacpp_dflash(ctx) if dflash else llamacpp_server(ctx)
+
+
 def _vllm(ctx, dflash: bool):
     py = vllm_python()
     if py is None:
@@ -340,6 +345,8 @@ PEERS = {
     "hf-lookup": lambda ctx: _hf(ctx, lookup=10),
     "zlab": _zlab,
     "llamacpp": _llamacpp,
+    "llamacpp-server": lambda ctx: _llama_server(ctx, dflash=False),
+    "llamacpp-dflash": lambda ctx: _llama_server(ctx, dflash=True),
     "vllm": lambda ctx: _vllm(ctx, dflash=False),
     "vllm-dflash": lambda ctx: _vllm(ctx, dflash=True),
 }

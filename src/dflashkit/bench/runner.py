@@ -52,6 +52,22 @@ class BenchConfig:
     command: str = ""
 
 
+# A peer's speculative rows against the same engine's plain decoding (speedup_vs_ar is against OUR ar).
+OWN_AR = (("llamacpp-dflash", "llamacpp-server"), ("vllm-dflash", "vllm"), ("hf-lookup", "hf"))
+
+
+def own_ar(method: str) -> str | None:
+    """The row that is plain greedy decoding in `method`'s own engine (None for a peer without one here)."""
+    for prefix, base in OWN_AR:
+        if method.startswith(prefix) or method == base:
+            return base
+    if method.startswith("zlab"):
+        return None  # Z Lab's package runs our target: its rows compare with our ar
+    if method == "llamacpp":
+        return method
+    return "ar@" + method.split("@")[1] if "@" in method else "ar"
+
+
 def aggregate(turns: list[Turn], span: int) -> dict:
     """tau over all cycles of all turns (`stats.py`), acceptance by position, histogram, speed."""
     cycles = [a for t in turns for a in t.accepted]
@@ -140,6 +156,8 @@ def run_dataset(ctx: BenchContext, methods: dict, items: list[list[str]], dname:
         base = mname.split("@")[1] if "@" in mname else None
         ar = results["ar" if base is None else f"ar@{base}"]["tokens_per_s"]
         r["speedup_vs_ar"] = round(r["tokens_per_s"] / ar, 4) if ar else None
+        own = results.get(own_ar(mname) or "", {}).get("tokens_per_s")
+        r["speedup_vs_own_ar"] = round(r["tokens_per_s"] / own, 4) if own else None
         if cfg.temperature == 0 and base is None and mname != "ar":
             if ctx.target.batch_invariant:  # measured bitwise: no rounding noise to allow, any mismatch is a bug
                 r["mismatches_vs_ar"] = mismatches(ctx.target, ctx.tok, items, outputs["ar"], outputs[mname])
