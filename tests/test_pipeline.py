@@ -121,3 +121,27 @@ def test_check_drafter_cli_names_a_wrong_mask_token(tmp_path):
     text = proc.communicate(timeout=600)[0]
     assert proc.returncode == 1 and f"set mask_token_id to {dr.config.mask_token_id}" in text, text[-2000:]
     assert Path(tmp_path / "bad" / "config.json").is_file()
+
+
+@pytest.mark.real
+def test_check_drafter_flags_taps_shifted_by_two_layers(engine):
+    """A drafter whose config names taps two layers off: decoding collapses and the tap probe finds taps that
+    decode like the trained ones (it walks while acceptance rises; one layer of offset is harmless for this
+    drafter, so the named fix may be one layer from the trained taps)."""
+    from dflashkit import DecodeConfig, DFlashEngine
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.diagnosis import check
+    from dflashkit.loader import BUNDLED_DRAFTER
+
+    shifted = load_drafter(BUNDLED_DRAFTER)
+    trained = list(shifted.config.target_layer_ids)
+    shifted.config.target_layer_ids = [i + 2 for i in trained]
+    bad = DFlashEngine(engine.target, shifted, tokenizer=engine.tokenizer, config=DecodeConfig(policy="fixed"))
+    try:
+        d = check(bad, _prompts(engine), 24)
+    finally:
+        engine.target.set_taps(trained)  # the shared target: the fixture's drafter taps these
+    assert not d.ok and any("target_layer_ids" in f for f in d.findings), d.summary()
+    finding = next(f for f in d.findings if "target_layer_ids" in f)
+    named = [int(x) for x in finding.split("Set target_layer_ids to [")[1].split("]")[0].split(",")]
+    assert all(abs(n - t) <= 1 for n, t in zip(named, trained)), d.findings

@@ -8,7 +8,8 @@ path, and each leaves a fingerprint: the drafter does better under the wrong set
 2. Predict: the training objective's view of the same text (`objective.py`: blocks at every response position,
    teacher-forced target features, the decode path `decode_path_tau` walks). In exact arithmetic this is the
    decoded tau; a gap means the decode path differs from the training forward.
-3. Probe, on the same text: taps one layer earlier / later (the classic `hidden_states[i]` offset), other mask
+3. Probe, on the same text: taps earlier / later (one layer: the classic `hidden_states[i]` offset; the probe walks
+   up to 3 layers while acceptance rises), other mask
    token ids (the block's MASK slots), labels one slot earlier / later (a label shift), and context that leaks the
    block's own positions (a drafter trained with a cross-block leak relies on features decoding never has).
 A probe that beats the drafter's own setting names the fix.
@@ -27,6 +28,7 @@ from .objective import build_blocks, decode_path_tau, sample_anchors, training_f
 log = logging.getLogger(__name__)
 
 BETTER = 1.25  # a probe must reach this multiple of the drafter's own predicted tau (and +0.25) to count
+MAX_TAP_OFFSET = 3  # how many layers the tap probe walks each way (only while acceptance keeps rising)
 
 
 @dataclass
@@ -149,17 +151,28 @@ def check(engine, prompts: list[list[int]], max_new: int = 64) -> Diagnosis:
     def better(tau: float) -> bool:
         return tau >= BETTER * pred and tau >= pred + 0.25
 
+    best = (pred, 0, own)  # (tau, offset, layers)
     for step in (-1, 1):
-        layers = tuple(i + step for i in own)
-        if all(0 <= i < target.num_layers for i in layers):
+        # Walk away from the configured taps while acceptance keeps rising (a one-layer offset is the classic
+        # bug; a config edited by hand or a wrong target can be several layers off).
+        prev = pred
+        for k in range(1, MAX_TAP_OFFSET + 1):
+            layers = tuple(i + step * k for i in own)
+            if not all(0 <= i < target.num_layers for i in layers):
+                break
             tau = d.probes[f"taps {list(layers)}"] = round(view.tau(layers=layers)[0], 3)
-            if better(tau):
-                d.findings.append(
-                    f"with taps of layers {list(layers)} the drafter accepts tau {tau:.2f}, with its configured "
-                    f"{list(own)} only {pred:.2f}: it was trained on taps one layer "
-                    f"{'later' if step > 0 else 'earlier'}"
-                    f" (the classic hidden_states[i] = INPUT of layer i offset). Set target_layer_ids to "
-                    f"{list(layers)} in its config.json.")
+            if tau > best[0]:
+                best = (tau, step * k, layers)
+            if tau <= prev:
+                break
+            prev = tau
+    tau, off, layers = best
+    if off and better(tau):
+        d.findings.append(
+            f"with taps of layers {list(layers)} the drafter accepts tau {tau:.2f}, with its configured "
+            f"{list(own)} only {pred:.2f}: it was trained on taps {abs(off)} layer{'s' if abs(off) > 1 else ''} "
+            f"{'later' if off > 0 else 'earlier'} (one layer: the classic hidden_states[i] = INPUT of layer i "
+            f"offset). Set target_layer_ids to {list(layers)} in its config.json.")
     masks = {m: view.tau(mask_id=m)[0] for m in (_mask_candidates(tok, drafter.config.mask_token_id)
                                                  if tok is not None else [])}
     d.probes.update({f"mask id {m}": round(t, 3) for m, t in masks.items()})
