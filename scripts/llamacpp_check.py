@@ -80,6 +80,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--targets", default="f32,q4_1", help="comma list of f32 (converted), q4_1 (the GGUF itself)")
+    ap.add_argument("--skip-writer-check", action="store_true", help="skip the writer == converter comparison")
     ap.add_argument("--out", default=str(ROOT / "bench/results/llamacpp-check"))
     args = ap.parse_args()
     llamacpp_bin("llama-server")  # Skip names the remedy when it was not built
@@ -90,13 +92,14 @@ def main() -> int:
     drafter, _ = load_default_drafter(target, tok)
     target_dir = resolve_target_dir()
     result = {"max_new_tokens": n, "block_size": BLOCK, "threads": args.threads,
-              "writer_vs_converter": writer_vs_converter(drafter, target_dir)}
+              "llama_server": str(llamacpp_bin("llama-server")),
+              "writer_vs_converter": {} if args.skip_writer_check else writer_vs_converter(drafter, target_dir)}
     print(json.dumps(result["writer_vs_converter"], indent=1))
 
     f32 = WORK / "target-f32.gguf"
     if not f32.is_file():
         convert_target(target_dir, f32, SRC, outtype="f32")
-    targets = {"f32": f32, "q4_1": default_gguf()}
+    targets = {k: v for k, v in {"f32": f32, "q4_1": default_gguf()}.items() if k in args.targets.split(",")}
     # f32 drafter: its acceptance is compared with ours in float32 (identity does not depend on it)
     dgguf = export_gguf(drafter, default_gguf(), WORK / "drafter-f32.gguf", gguf_type="f32")
 
@@ -169,7 +172,8 @@ def summarize(rows: list[dict], n: int) -> dict:
 def markdown(result: dict) -> str:
     lines = ["# llama.cpp runs dflashkit's GGUF drafter", "",
              f"Bundled drafter, SmolLM2-135M-Instruct, greedy, {result['max_new_tokens']} tokens, block "
-             f"{result['block_size']}, {result['threads']} threads. Produced by `scripts/llamacpp_check.py`.", "",
+             f"{result['block_size']}, {result['threads']} threads, llama-server `{result['llama_server']}`. Produced "
+             "by `scripts/llamacpp_check.py`.", "",
              "| check | result |", "|---|---|"]
     for kind, c in result["writer_vs_converter"].items():
         lines.append(f"| our writer == llama.cpp's converter ({kind}) | {'yes' if c['identical'] else 'NO'}: "

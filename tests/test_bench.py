@@ -191,3 +191,18 @@ def test_cli_data_prompts_from_a_user_file(tmp_path, capsys):
     src.write_text("not json\n")
     assert main(["data", "prompts", "--source", str(src), "--out", str(tmp_path / "q")]) == 2
     assert "line 1 is not JSON" in capsys.readouterr().err
+
+
+def test_peer_rows_compare_with_their_own_engines_ar():
+    """`speedup_vs_own_ar`: llama.cpp's DFlash rows against llama-server's AR, vLLM's against vLLM's, ours against
+    ours (also at a temperature); the llama-server cycle parser reads its trace lines."""
+    from dflashkit.bench.llamacpp import ACCEPTED
+    from dflashkit.bench.runner import own_ar
+
+    assert own_ar("llamacpp-dflash-b16-v16384") == own_ar("llamacpp-server") == "llamacpp-server"
+    assert own_ar("vllm-dflash-b8") == own_ar("vllm") == "vllm" and own_ar("hf-lookup") == "hf"
+    assert own_ar("dflash-b16-tree20p0.03-lookup16-adaptive") == "ar" and own_ar("dflash-b16@T0.7") == "ar@T0.7"
+    assert own_ar("zlab-b16") is None
+    log = ("slot update_slots: id  0 | task 0 | accepted  3/15 draft tokens\n"
+           "slot update_slots: id  0 | task 0 | accepted 12/15 draft tokens\n")
+    assert [int(a) for a, _ in ACCEPTED.findall(log)] == [3, 12]
