@@ -5,6 +5,8 @@
 #   .llamacpp/bin/            llama-speculative-simple, llama-completion, llama-server, llama-bench
 #   .venv: llama-cpp-python   (the `llamacpp` bench peer), sentencepiece (the converter imports it)
 # ~10 min (tools) + ~6 min (binding) at -j2.  Usage: scripts/llamacpp-build.sh [--tools-only|--binding-only]
+# GGML_LLAMAFILE=OFF (environment) builds without llamafile's sgemm: llama.cpp's f32 batches then take the same
+# dot products as one token (bench/results/llamacpp-check-nollamafile); llama.cpp's default is ON.
 #
 # Why the explicit feature list: the default native build dies with SIGILL on AMX hosts (tile instructions on
 # multi-token batches), so AMX is always off and every other x86 feature is named from /proc/cpuinfo.
@@ -36,7 +38,8 @@ fi
 if [ "$WHAT" != "--binding-only" ]; then
   # shellcheck disable=SC2086
   cmake -S .llamacpp/src -B .llamacpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF $CMAKE_FLAGS > .llamacpp/cmake.log
+    -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF -DGGML_LLAMAFILE="${GGML_LLAMAFILE:-ON}" $CMAKE_FLAGS \
+    > .llamacpp/cmake.log
   cmake --build .llamacpp/build -j "$JOBS" --target llama-speculative-simple llama-completion llama-server llama-bench
   mkdir -p .llamacpp/bin
   for t in llama-speculative-simple llama-completion llama-server llama-bench; do

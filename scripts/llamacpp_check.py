@@ -81,6 +81,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--targets", default="f32,q4_1", help="comma list of f32 (converted), q4_1 (the GGUF itself)")
+    ap.add_argument("--only", default=None, help="comma list of prompt indices to run (default: all)")
     ap.add_argument("--skip-writer-check", action="store_true", help="skip the writer == converter comparison")
     ap.add_argument("--out", default=str(ROOT / "bench/results/llamacpp-check"))
     args = ap.parse_args()
@@ -106,6 +107,8 @@ def main() -> int:
     half = args.prompts // 2
     convs = load_dataset("humaneval", limit=half) + load_dataset("mt-bench", limit=args.prompts - half)
     ids = [encode_chat(tok, c[0]) for c in convs]
+    keep = [int(i) for i in args.only.split(",")] if args.only else list(range(len(ids)))
+    ids = [ids[i] for i in keep]
     ours = DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig()).generate(ids, max_new_tokens=n)
     rows = []
     for kind, tpath in targets.items():
@@ -114,7 +117,7 @@ def main() -> int:
         try:
             for i, p in enumerate(ids):
                 a, d = ar.run([p], n)[0], spec.run([p], n)[0]
-                row = {"target": kind, "prompt": i, "prompt_tokens": len(p), "new_tokens": len(a.tokens),
+                row = {"target": kind, "prompt": keep[i], "prompt_tokens": len(p), "new_tokens": len(a.tokens),
                        "identical": a.tokens == d.tokens, "first_difference": _first_diff(a.tokens, d.tokens),
                        "llamacpp_accepted": d.accepted, "text": tok.decode(d.tokens)[:120]}
                 if not row["identical"]:
