@@ -87,12 +87,18 @@ def test_lean_float32_logits_equal_transformers_on_real_text(real):
     assert (full - ref).abs().max() <= 3e-4 and (block - ref[:, S - 16:]).abs().max() <= 3e-4
 
 
-def test_bf16_speculative_output_is_bitwise_autoregressive_on_the_real_target(capsys):
+@pytest.mark.parametrize("kernel,quant", [("torch", None), ("rowlinear", None), ("auto", "int4")])
+def test_bf16_speculative_output_is_bitwise_autoregressive_on_the_real_target(capsys, kernel, quant):
     """bfloat16, the default dtype: the measured self-check says the lean kernels are batch-invariant here, and
-    the chain and the default tree + lookup give exactly AR's tokens (no near-tie allowance)."""
+    the chain and the default tree + lookup give exactly AR's tokens (no near-tie allowance). Under torch's
+    F.linear, our rowlinear kernel, and the 4-bit target (the GGUF's own Q4_1 codes, exact against its own AR)."""
     from dflashkit.invariance import measure
+    from dflashkit.kernels import available, why_unavailable
 
-    target, tok = load_target(dtype="bfloat16")
+    if (kernel == "rowlinear" or quant) and not available():
+        pytest.skip(f"rowlinear kernel unavailable: {why_unavailable()}")
+    target, tok = load_target(dtype="bfloat16", kernel=kernel, quant=quant)
+    assert target.kernel == (quant or kernel)
     inv = measure(target)
     assert inv.exact, f"the lean kernels are not batch-invariant on this machine: {inv}"
     drafter, _ = load_default_drafter(target, tok)
@@ -110,7 +116,8 @@ def test_bf16_speculative_output_is_bitwise_autoregressive_on_the_real_target(ca
     assert [g.tokens for g in adaptive] == [g.tokens for g in ar]
     assert sum(g.stats.tau for g in tree) / len(tree) > 1.5
     with capsys.disabled():
-        print(f"\n[real SmolLM2, bfloat16, lean] chain and tree+lookup == AR on {len(prompts)} prompts, tau "
+        print(f"\n[real SmolLM2, bfloat16, lean, {quant or kernel}] chain and tree+lookup == AR on {len(prompts)} "
+              f"prompts, tau "
               f"{sum(g.stats.tau for g in chain) / 3:.2f} / {sum(g.stats.tau for g in tree) / 3:.2f}")
 
 

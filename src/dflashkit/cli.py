@@ -37,6 +37,14 @@ def _add_target_flags(p: argparse.ArgumentParser, drafter: bool = True) -> None:
                    help="target forward: lean = dflashkit's batch-invariant forward (bit-identical speculative "
                         "output in bf16; Llama, Qwen3, Gemma 3), hf = transformers' modules; auto = lean where it "
                         "applies (default: %(default)s)")
+    p.add_argument("--kernel", default="auto", choices=["auto", "torch", "rowlinear"],
+                   help="lean kernels: torch = F.linear + tensor-op attention; rowlinear = dflashkit's row-invariant "
+                        "C++ linears and attention (AVX2; compiled once with g++; fast at any row count on CPUs "
+                        "without bf16 units); auto = rowlinear for bf16 on such CPUs, else torch (default: "
+                        "%(default)s)")
+    p.add_argument("--quant", default="none", choices=["none", "int4"],
+                   help="int4 = run a Q4_1 GGUF target on its own 4-bit codes with the rowlinear kernel (a different "
+                        "target from its bf16 dequantisation, exact against its own AR) (default: %(default)s)")
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -98,7 +106,8 @@ def load_target_and_drafter(args):
     from .loader import load_models as load
 
     return load(args.target, getattr(args, "drafter", None), dtype=args.dtype, device=args.device,
-                backend=getattr(args, "backend", "auto"))
+                backend=getattr(args, "backend", "auto"), kernel=getattr(args, "kernel", "auto"),
+                quant=getattr(args, "quant", "none"))
 
 
 def load_models(args):
@@ -148,7 +157,8 @@ def cmd_generate(args) -> int:
           if args.compare and engine.config.speculative else None)
     stats = g.stats.to_dict()
     stats.update(finish_reason=g.finish_reason, block_size=engine.block_size, lookup=engine.config.lookup.max_tokens,
-                 tree=engine.config.tree, drafter_trained=trained, backend=type(engine.target).__name__,
+                 tree=engine.config.tree, drafter_trained=trained,
+                 backend=getattr(engine.target, "engine_name", type(engine.target).__name__),
                  exactness=exactness_label(engine.target))
     if ar is not None:
         stats["ar_tokens_per_s"] = round(ar.stats.tokens_per_s, 3)
@@ -220,7 +230,8 @@ def cmd_bench(args) -> int:
                       temperature=temps[0], temperatures=temps[1:], batch_sizes=args.batch_size or [],
                       methods=methods, out=args.out,
                       target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
-                      backend=args.backend, speed_bench_dir=args.speed_bench_dir, noise_prompts=args.noise_prompts,
+                      backend=args.backend, kernel=args.kernel, quant=args.quant,
+                      speed_bench_dir=args.speed_bench_dir, noise_prompts=args.noise_prompts,
                       decode=decode,
                       lookup_block_sizes=args.lookup_block_size or [], command="dflashkit " + " ".join(sys.argv[1:]))
     report = write_report(run_bench(cfg), args.out)

@@ -124,7 +124,8 @@ def measure(target, n: int = 8, prompt: int = 29, seed: int = 0) -> Invariance:
 def check(target, identity: str, cache_file: str | os.PathLike | None = None) -> Invariance:
     """`measure`, cached in `cache_file` (JSON) under the machine/torch/model/dtype key; sets
     `target.batch_invariant`. `identity` names the weights (e.g. the model directory and its config digest)."""
-    key = machine_key(identity, target.architecture, target.dtype, target.device, type(target).__name__)
+    key = machine_key(identity, target.architecture, target.dtype, target.device,
+                      getattr(target, "engine_name", type(target).__name__))  # the kernels too: they set the bits
     stored = lookup(cache_file, key)
     if stored is not None:
         inv = Invariance(**stored)

@@ -172,12 +172,77 @@ def check_exactness(target, target_dir: Path):
     return check(target, f"{target_dir.resolve()}:{digest}", cache_dir() / "invariance.json")
 
 
+KERNELS = ("auto", "torch", "rowlinear")
+QUANTS = ("none", "int4")
+
+
+def _check_kernels(backend: str, kernel: str, quant: str | None) -> None:
+    if kernel not in KERNELS:
+        raise DFlashError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}.")
+    if (quant or "none") not in QUANTS:
+        raise DFlashError(f"unknown quantisation {quant!r}; choose one of {', '.join(QUANTS)}.")
+    if (kernel == "rowlinear" or quant not in (None, "none")) and backend == "hf":
+        raise DFlashError("--kernel rowlinear and --quant int4 run on the lean backend; drop --backend hf.")
+
+
+def _bf16_units() -> bool:
+    """Does this CPU multiply bf16 natively (AMX / AVX512-BF16)? There torch's oneDNN bf16 GEMM is the fast one."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def auto_kernel(target) -> str:
+    """`auto`: our rowlinear kernel for a bf16 lean target on an x86 CPU without bf16 units (where torch's bf16
+    GEMM costs time linear in the rows: bench/results/kernels), torch's F.linear elsewhere."""
+    from .backends.lean import LeanTarget
+    from .kernels import available
+
+    if (isinstance(target, LeanTarget) and target.dtype == torch.bfloat16 and str(target.device) == "cpu"
+            and not _bf16_units() and available()):
+        return "rowlinear"
+    return "torch"
+
+
+def apply_kernels(target, target_dir: Path, kernel: str = "auto", quant: str | None = None) -> None:
+    """Our row-invariant kernels for the lean target: linears `rowlinear` (same bf16 weights) or `int4` (the GGUF's
+    own Q4_1/Q8_0 codes; a different target with its own AR baseline), and the fused attention with either;
+    `auto`: `auto_kernel`."""
+    from .backends.lean import LeanTarget
+
+    if kernel == "auto" and quant in (None, "none"):
+        kernel = auto_kernel(target)
+    if kernel == "torch" and quant in (None, "none"):
+        return
+    if not isinstance(target, LeanTarget):
+        raise DFlashError(f"--kernel/--quant need the lean backend, which does not implement "
+                          f"{target.architecture}; drop them.")
+    if quant == "int4":
+        from .backends.quant import attach_gguf_codes
+
+        manifest = target_dir / "dflashkit-conversion.json"
+        if not manifest.is_file():
+            raise DFlashError(f"--quant int4 reads a GGUF's own 4-bit codes; {target_dir} is not a GGUF target. "
+                              "Give --target FILE.gguf (Q4_1), or drop --quant.")
+        attach_gguf_codes(target, json.loads(manifest.read_text())["source"])
+    elif kernel == "rowlinear":
+        target.use_rowlinear()
+    # Our kernels come together: the attention too is one row-invariant C++ call per layer (bench/results/kernels:
+    # with it a 16-token verify costs ~1.8x a one-token step here, without it ~2.5x, with torch's kernels ~5x).
+    target.use_fused_attention()
+
+
 def load_target(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32",
-                device: str = "cpu", backend: str = "auto", check: bool = False) -> tuple[HFTarget, object]:
-    """(target, tokenizer). backend: auto | lean | hf (`make_target`); check: run the exactness self-check."""
+                device: str = "cpu", backend: str = "auto", check: bool = False, kernel: str = "auto",
+                quant: str | None = None) -> tuple[HFTarget, object]:
+    """(target, tokenizer). backend: auto | lean | hf (`make_target`); check: run the exactness self-check;
+    kernel / quant: `apply_kernels`."""
     from transformers import AutoModelForCausalLM
 
     _check_backend(backend)  # before the weights load
+    _check_kernels(backend, kernel, quant)
     target_dir = resolve_target_dir(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=parse_dtype(dtype), attn_implementation="sdpa")
@@ -189,6 +254,7 @@ def load_target(path: str | os.PathLike | None = None, dtype: str | torch.dtype 
         log.warning("no tokenizer in %s (%s); prompts must be given as token ids", target_dir, e)
         tok = None
     target = make_target(model.to(device), backend)
+    apply_kernels(target, target_dir, kernel, quant)
     if check:
         check_exactness(target, target_dir)
     return target, tok
@@ -240,14 +306,15 @@ def load_default_drafter(target: HFTarget, tokenizer) -> tuple[DFlashDrafter, bo
 
 
 def load_models(target: str | None = None, drafter: str | None = None, dtype: str = "bfloat16",
-                device: str = "cpu", backend: str = "auto",
-                check: bool = True) -> tuple[HFTarget, object, DFlashDrafter | None, bool]:
+                device: str = "cpu", backend: str = "auto", check: bool = True, kernel: str = "auto",
+                quant: str | None = None) -> tuple[HFTarget, object, DFlashDrafter | None, bool]:
     """(target, tokenizer, drafter or None, drafter_trained) as the CLI and the bench resolve them: `drafter` if
     given; else the bundled drafter for the default target; else None (the bundled drafter is SmolLM2's, so a
     custom target without a drafter runs block size 1 only)."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise DFlashError(f"--device {device} but this torch build sees no CUDA device; use --device cpu.")
-    tgt, tok = load_target(target, dtype=dtype, device=device, backend=backend, check=check)
+    tgt, tok = load_target(target, dtype=dtype, device=device, backend=backend, check=check, kernel=kernel,
+                           quant=quant)
     if drafter:
         return tgt, tok, load_drafter(drafter, dtype=parse_dtype(dtype), device=device), True
     if target is None:

@@ -143,7 +143,11 @@ def cost_key(target, proposer) -> str:
     d = proposer.drafter.config if proposer is not None else None
     draft = (d.num_hidden_layers, d.hidden_size, proposer.block_size, proposer.tree,
              None if proposer.d2t is None else len(proposer.d2t)) if d is not None else None
-    return machine_key("step-cost", type(target).__name__, target.architecture, target.hidden_size, target.num_layers,
+    # The kernels set the costs; on our kernels the drafter runs them too (engine.py), "v2" since it does.
+    engine = getattr(target, "engine_name", type(target).__name__)
+    if getattr(target, "kernel", "torch") != "torch":
+        engine += "/drafter-rowlinear-v2"
+    return machine_key("step-cost", engine, target.architecture, target.hidden_size, target.num_layers,
                        target.vocab_size, target.dtype, target.device, draft)
 
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ..cache import PositionCache
 from ..errors import DFlashError
+from ..kernels import RowLinear, attend
 from .hf import HFTarget, architecture_of
 
 log = logging.getLogger(__name__)
@@ -38,10 +39,12 @@ log = logging.getLogger(__name__)
 SUPPORTED = {"LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"}
 
 
-def _rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _rows(x: torch.Tensor, w: torch.Tensor | RowLinear) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T as ONE 2-D matmul over flattened rows (a 3-D input with odd strides takes a
-    bmm path that copies the weight, and is not guaranteed row-wise)."""
-    return F.linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+    bmm path that copies the weight, and is not guaranteed row-wise); `RowLinear` weights use our own kernel."""
+    flat = x.reshape(-1, x.shape[-1])
+    y = w(flat) if isinstance(w, RowLinear) else F.linear(flat, w)
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -97,6 +100,8 @@ class _Split:
     tail: torch.Tensor  # [B, 1, Q, 1, L] additive mask over the gathered tail keys
     tail_rows: torch.Tensor  # [B * kvh * Q * L] rows of a cache layer viewed as [B * kvh * max_len, hd]: the slot
     #                          holding the tail's j-th position, per kv head (slot 0 where masked)
+    head_vis: torch.Tensor  # [B, Q, S] bool: the key slot is in the query's head part (the fused kernel's input)
+    tail_slot: torch.Tensor  # [B, Q, L] the slot of the tail's j-th position, -1 where there is none
 
     @staticmethod
     def build(vis: torch.Tensor, rel: torch.Tensor, dtype: torch.dtype, kvh: int, max_len: int, L: int) -> "_Split":
@@ -111,11 +116,12 @@ class _Split:
         zero = torch.zeros((), dtype=f, device=vis.device)
         head = torch.where(vis & (rel < 0), zero, float("-inf"))[:, None, :, None]
         tail = torch.where(valid[..., :L], zero, float("-inf"))[:, None, :, None]
+        tail_slot = torch.where(valid[..., :L], slot[..., :L], -1)
         # Masked tail entries read slot 0 (finite K/V: exp(-inf) = 0 times a finite value adds an exact zero).
         slot = torch.where(valid[..., :L], slot[..., :L], 0).view(B, 1, Q * L)
         base = (torch.arange(B, device=vis.device)[:, None, None] * kvh
                 + torch.arange(kvh, device=vis.device)[None, :, None]) * max_len
-        return _Split(head, tail, (base + slot).view(-1))
+        return _Split(head, tail, (base + slot).view(-1), vis & (rel < 0), tail_slot)
 
 
 class LeanTarget(HFTarget):
@@ -139,7 +145,49 @@ class LeanTarget(HFTarget):
         self.norm = self.decoder.norm
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_len = 0
-        
+        self.kernel = "torch"  # which linear kernels run: "torch" (F.linear), "rowlinear" (ours), "int4" (ours)
+        self.head: RowLinear | None = None  # the LM head under our kernel (None: F.linear on lm_head_weight)
+        self.fused_attention = False  # attention as one C++ call per layer (kernels/attention.cpp)
+
+    @property
+    def engine_name(self) -> str:
+        """What the exactness self-check's cache is keyed on: the backend AND its kernels."""
+        return (type(self).__name__ + ("" if self.kernel == "torch" else f"+{self.kernel}")
+                + ("+attend" if self.fused_attention else ""))
+
+    def use_fused_attention(self) -> None:
+        """Attention as one row-invariant C++ call per layer (kernels/attention.cpp) instead of ~30 tensor ops."""
+        from ..kernels import available, why_unavailable
+
+        if self.dtype != torch.bfloat16 or not available():
+            raise DFlashError("the fused attention kernel needs bfloat16 and the dflashkit kernels "
+                              f"({why_unavailable() or self.dtype}); use --kernel torch.")
+        self.fused_attention = True
+
+    def use_rowlinear(self) -> None:
+        """Run every bf16 linear (and the head) through our row-invariant kernel (kernels/rowlinear.cpp): the same
+        weights, no copy; fast at any row count where torch's bf16 GEMM is not (CPUs without bf16 units)."""
+        from ..kernels import available, why_unavailable
+
+        if self.dtype != torch.bfloat16:
+            raise DFlashError(f"the rowlinear kernel runs bfloat16 weights (this target: {self.dtype}); use --dtype "
+                              "bfloat16 or --kernel torch.")
+        if not available():
+            raise DFlashError(f"the rowlinear kernel is unavailable: {why_unavailable()}; use --kernel torch.")
+        for layer in self._layers:
+            for name in ("wqkv", "wgu", "wo", "wdown"):
+                setattr(layer, name, RowLinear.from_bf16(getattr(layer, name)))
+        self.head = RowLinear.from_bf16(self.lm_head_weight)
+        self.kernel = "rowlinear"
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """As `HFTarget.logits`; on our kernels also a row subset `weight` (the drafter's reduced vocabulary)."""
+        if self.head is None or (weight is not None and (weight.dtype != torch.bfloat16 or weight.shape[1] % 32)):
+            return super().logits(hidden, weight)
+        head = self.head if weight is None else RowLinear.from_bf16(weight)
+        logits = head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
+        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+
 
     # ---- RoPE: one table per layer type, computed once, indexed by position ----------------------------------
     def _rope_table(self, n: int) -> None:
@@ -219,6 +267,8 @@ class LeanTarget(HFTarget):
         # The value rows carry a trailing 1 (see new_cache): e.[V | 1] yields the softmax numerator AND denominator.
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
         cache.write(i, k.transpose(1, 2), v.transpose(1, 2), slots)
+        if self.fused_attention:  # one row-invariant C++ call (kernels/attention.cpp) for everything below
+            return _rows(attend(q, cache.keys[i], cache.values[i], sp.head_vis, sp.tail_slot, layer.scaling), layer.wo)
         keys, values = cache.keys[i][:, :, :kv_len], cache.values[i][:, :, :kv_len]  # [B, kvh, S, hd (+1)]
         f = sp.head.dtype  # fp32 scores for 16-bit weights (HF eager's recipe), the model's dtype otherwise
         # Grouped-query heads as rows: query head j*g + r uses kv head j (HF's repeat_kv order), so the g heads of

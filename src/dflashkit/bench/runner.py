@@ -44,6 +44,8 @@ class BenchConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"
     backend: str = "auto"  # the target forward (`loader.make_target`)
+    kernel: str = "auto"  # lean linears (`loader.apply_kernels`)
+    quant: str = "none"  # int4: the GGUF's own codes
     speed_bench_dir: str | None = None
     noise_prompts: int = 8  # AR outputs (first turns) on which the near-tie bound is measured (`rounding_noise`)
     # the tree / lookup settings of the dflash-lookup, dflash-tree and lookup rows (the same defaults as the CLI)
@@ -130,7 +132,8 @@ def load_models(cfg: BenchConfig) -> BenchContext:
     from ..sampling import SamplingParams
 
     # a custom target without --drafter has no drafter: the non-DFlash methods only
-    target, tok, drafter, _ = load(cfg.target, cfg.drafter, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend)
+    target, tok, drafter, _ = load(cfg.target, cfg.drafter, dtype=cfg.dtype, device=cfg.device, backend=cfg.backend,
+                                    kernel=cfg.kernel, quant=cfg.quant)
     engine = DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig())
     return BenchContext(cfg, target, tok, drafter, engine, SamplingParams(temperature=cfg.temperature))
 
@@ -204,7 +207,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         "skipped": skipped,
         "settings": settings(cfg),
         "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "dtype": cfg.dtype, "device": cfg.device, "backend": type(ctx.target).__name__,
+                    "dtype": cfg.dtype, "device": cfg.device,
+                    "backend": getattr(ctx.target, "engine_name", type(ctx.target).__name__),
                     "exactness": exactness_mode(ctx.target)},
         "versions": _versions(),
     }

@@ -1,0 +1,163 @@
+"""Our own CPU kernels: `RowLinear`, a linear layer whose output rows do not depend on how many rows are
+computed, and `attend`, the lean target's attention in one row-invariant call per layer.
+
+The C++ sources (module.cpp, rowlinear.cpp, attention.cpp) are compiled once per torch version with torch's
+extension builder (g++ and the `ninja` package) into ~/.cache/dflashkit/kernels and loaded from there afterwards.
+Where they cannot be built (no compiler, no AVX2/FMA, not x86-64), `available()` says why and callers keep torch's
+kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(n) for n in ("module.cpp", "rowlinear.cpp", "attention.cpp")]
+KINDS = {"bf16": 0, "q4_1": 1, "q8_0": 2}
+_state: dict = {}
+
+
+def _build_dir() -> Path:
+    from ..loader import cache_dir  # imported here: the loader imports the backends, which import this module
+
+    d = cache_dir() / "kernels" / f"torch-{torch.__version__.split('+')[0]}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def load():
+    """The compiled module, or None (the reason in `why_unavailable()`). Compiles on first use (~30-60 s)."""
+    if "mod" in _state:
+        return _state["mod"]
+    _state["mod"], _state["why"] = None, ""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if platform.machine().lower() not in ("x86_64", "amd64") or cap not in ("AVX2", "AVX512"):
+        _state["why"] = f"needs an x86-64 CPU with AVX2 (this one: {platform.machine()}, torch capability {cap})"
+        return None
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        t0 = time.time()
+        if not any(_build_dir().glob("dflashkit_kernels*.so")):
+            log.info("compiling dflashkit's CPU kernels once into %s (~1-2 minutes of g++)", _build_dir())
+        mod = build(name="dflashkit_kernels", sources=[str(f) for f in SOURCES],
+                    build_directory=str(_build_dir()),
+                    # -fopenmp: at::parallel_for is OpenMP in torch's CPU build; without it the kernel runs on one
+                    # thread. The libgomp.so.1 it links is the copy torch already loaded (same soname): one runtime.
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        log.info("row-invariant kernels ready (%.1f s; built or loaded from %s)", time.time() - t0, _build_dir())
+        _state["mod"] = mod
+    except Exception as e:  # noqa: BLE001 - any build failure means: fall back, and say why
+        _state["why"] = f"could not build the kernels ({type(e).__name__}: {str(e).strip()[:300]})"
+        log.warning("row-invariant kernels unavailable: %s; using torch's F.linear", _state["why"])
+    return _state["mod"]
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def why_unavailable() -> str:
+    load()
+    return _state.get("why", "")
+
+
+class RowLinear:
+    """A weight [N, K] in one of KINDS, applied to flattened rows: `layer(x [M, K]) -> [M, N]` in bf16 (or fp32
+    with `out_fp32=True`). Every output row is computed the same way whatever M is (rowlinear.cpp)."""
+
+    def __init__(self, kind: str, codes: torch.Tensor, n_out: int, in_features: int,
+                 scale: torch.Tensor | None = None, minimum: torch.Tensor | None = None):
+        if kind not in KINDS:
+            raise ValueError(f"unknown weight kind {kind!r}; one of {', '.join(KINDS)}")
+        if in_features % 32:
+            raise ValueError(f"in_features must be a multiple of 32 (got {in_features})")
+        self.kind, self.codes, self.n_out, self.in_features = kind, codes.contiguous(), n_out, in_features
+        empty = torch.empty(0, dtype=torch.float32)
+        self.scale = empty if scale is None else scale.to(torch.float32).contiguous()
+        self.minimum = empty if minimum is None else minimum.to(torch.float32).contiguous()
+        self.shape = (n_out, in_features)
+
+    @classmethod
+    def from_bf16(cls, w: torch.Tensor) -> "RowLinear":
+        """w [N, K] in bfloat16: the same weights, a row-invariant kernel."""
+        if w.dtype != torch.bfloat16:
+            raise ValueError(f"from_bf16 needs a bfloat16 weight (got {w.dtype})")
+        return cls("bf16", w.contiguous().view(torch.int16), w.shape[0], w.shape[1])
+
+    @classmethod
+    def from_ggml(cls, kind: str, raw: torch.Tensor, n_out: int, in_features: int) -> "RowLinear":
+        """raw: a GGUF tensor's bytes as uint8 [N, bytes per row] (GGML block layout, 32 weights per block)."""
+        nb = in_features // 32
+        blocks = raw.reshape(n_out, nb, -1)
+        if kind == "q4_1":  # block: fp16 d, fp16 m, 16 bytes of nibbles
+            d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
+            m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+            return cls(kind, blocks[..., 4:20].reshape(n_out, -1), n_out, in_features, d, m)
+        if kind == "q8_0":  # block: fp16 d, 32 int8
+            d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
+            return cls(kind, blocks[..., 2:34].reshape(n_out, -1).view(torch.int8), n_out, in_features, d)
+        raise ValueError(f"unsupported GGML type {kind!r} (supported: q4_1, q8_0)")
+
+    @staticmethod
+    def cat(parts: list["RowLinear"]) -> "RowLinear":
+        """The layers stacked along the output rows (fused qkv, gate/up); all of one kind and input width."""
+        if len({(p.kind, p.in_features) for p in parts}) != 1:
+            raise ValueError("RowLinear.cat needs layers of one kind and one input width")
+        opt = (lambda ts: torch.cat(ts) if ts[0].numel() else None)
+        return RowLinear(parts[0].kind, torch.cat([p.codes for p in parts]), sum(p.n_out for p in parts),
+                         parts[0].in_features, opt([p.scale for p in parts]), opt([p.minimum for p in parts]))
+
+    def select_rows(self, index: torch.Tensor) -> "RowLinear":
+        """The layer restricted to output rows `index` (e.g. undoing a row permutation)."""
+        pick = (lambda t: t.reshape(self.n_out, -1)[index] if t.numel() else t)
+        return RowLinear(self.kind, pick(self.codes), len(index), self.in_features, pick(self.scale) if
+                         self.scale.numel() else None, pick(self.minimum) if self.minimum.numel() else None)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights as fp32 [N, K], computed in torch (for checks and for the reference model)."""
+        n, k = self.shape
+        if self.kind == "bf16":
+            return self.codes.view(torch.bfloat16).float()
+        if self.kind == "q8_0":
+            return (self.codes.float().view(n, k // 32, 32) * self.scale.view(n, -1, 1)).view(n, k)
+        b = self.codes.view(n, k // 32, 16)
+        q = torch.cat([b & 0x0F, b >> 4], dim=-1).float()  # element j low nibble, j + 16 high nibble
+        return torch.addcmul(self.minimum.view(n, -1, 1), self.scale.view(n, -1, 1), q).view(n, k)
+
+    def __call__(self, x: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
+        """x [M, K] (bf16 or fp32) -> [M, N]."""
+        mod = load()
+        if mod is None:
+            raise RuntimeError(f"row-invariant kernels unavailable: {why_unavailable()}")
+        return mod.rowlinear(x, self.codes, self.scale, self.minimum, KINDS[self.kind], self.n_out, not out_fp32)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, head: torch.Tensor, tail: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """q [B, Q, nh, hd] bf16; keys / values: a cache layer [B, kvh, T, hd (+1)]; head [B, Q, S] bool; tail [B, Q, L]
+    slots (-1: none) -> o [B, Q, nh * hd] bf16 (attention.cpp)."""
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"dflashkit kernels unavailable: {why_unavailable()}")
+    return mod.attend(q, keys, values, head, tail, scale)
+
+
+def use_rowlinear_in(module: torch.nn.Module) -> int:
+    """Route every bias-free bfloat16 `nn.Linear` of `module` through `RowLinear` (for inference only: the drafter
+    next to a target on our kernels, where torch's bf16 GEMM on 16-128 rows is what a drafting step waits for).
+    The kernel reads the same weight storage. Returns how many layers were routed."""
+    n = 0
+    for m in module.modules():
+        if (isinstance(m, torch.nn.Linear) and m.bias is None and m.weight.dtype == torch.bfloat16
+                and m.in_features % 32 == 0 and m.weight.is_contiguous() and m.weight.device.type == "cpu"):
+            lin = RowLinear.from_bf16(m.weight.detach())
+            m.forward = (lambda x, lin=lin: lin(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], lin.n_out))
+            n += 1
+    return n

@@ -1,0 +1,12 @@
+// The Python module of our CPU kernels (one extension, built by kernels/__init__.py).
+#include <torch/extension.h>
+
+torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
+                        int64_t n_out, bool out_bf16);
+torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor head, torch::Tensor tail,
+                     double scale);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("rowlinear", &rowlinear, "y = x @ W^T, every row computed alike whatever the row count (rowlinear.cpp)");
+  mod.def("attend", &attend, "the lean target's attention, row-invariant (attention.cpp)");
+}

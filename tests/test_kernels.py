@@ -1,0 +1,123 @@
+"""Our row-invariant linear kernel (kernels/rowlinear.cpp): the right products, the GGML block layouts as the gguf
+library writes them, rows that do not depend on how many rows are computed, and a lean target that stays exact."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_drafter, make_target
+
+from dflashkit import DecodeConfig, DFlashEngine
+from dflashkit.errors import DFlashError
+from dflashkit.invariance import measure
+from dflashkit.kernels import RowLinear, available, why_unavailable
+from dflashkit.loader import apply_kernels
+
+pytestmark = pytest.mark.skipif(not available(), reason=f"rowlinear kernel unavailable: {why_unavailable()}")
+
+
+def _ggml(kind: str, w: torch.Tensor) -> RowLinear:
+    """w [N, K] fp32 quantised by the gguf library itself (llama.cpp's reference layout)."""
+    import gguf
+
+    qt = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
+    raw = gguf.quants.quantize(w.numpy(), qt)  # [N, bytes per row] uint8
+    return RowLinear.from_ggml(kind, torch.from_numpy(np.ascontiguousarray(raw)), *w.shape), raw, qt
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_ggml_blocks_dequantise_as_the_gguf_library_does(kind):
+    import gguf
+
+    w = torch.randn(40, 96)
+    lin, raw, qt = _ggml(kind, w)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, qt)).float()
+    assert torch.allclose(lin.dequantize(), ref, rtol=1e-6, atol=1e-6)
+    x = torch.randn(5, 96)
+    assert torch.allclose(lin(x, out_fp32=True), x @ ref.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "q4_1", "q8_0"])
+@pytest.mark.parametrize("n_out,k", [(7, 32), (130, 64), (49, 608)])
+def test_rows_are_bit_identical_whatever_the_row_count(kind, n_out, k):
+    """The property exactness rests on: y[m] has the same bits computed alone, in any block, at any offset."""
+    torch.manual_seed(n_out + k)
+    w = torch.randn(n_out, k)
+    lin = RowLinear.from_bf16(w.bfloat16()) if kind == "bf16" else _ggml(kind, w)[0]
+    x = torch.randn(37, k).bfloat16()
+    full = lin(x)
+    assert full.dtype == torch.bfloat16 and full.shape == (37, n_out)
+    ref = x.float() @ lin.dequantize().T
+    assert torch.allclose(full.float(), ref, rtol=2e-2, atol=2e-2)
+    for m in (1, 2, 3, 4, 5, 8, 16, 17, 33):
+        for start in (0, 37 - m):
+            assert torch.equal(lin(x[start:start + m]), full[start:start + m]), (m, start)
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        RowLinear.from_bf16(torch.zeros(4, 33, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        RowLinear.from_bf16(torch.zeros(4, 32))
+    lin = RowLinear.from_bf16(torch.zeros(4, 32, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="K a multiple of 32"):
+        lin(torch.zeros(2, 16, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("n,prompt,seed", [(8, 29, 1), (16, 40, 2)])
+def test_lean_with_rowlinear_is_bitwise_batch_invariant(arch, n, prompt, seed):
+    t = make_target(arch, torch.bfloat16, backend="lean")
+    t.use_rowlinear()
+    assert t.engine_name == "LeanTarget+rowlinear"
+    inv = measure(t, n=n, prompt=prompt, seed=seed)
+    assert inv.exact and inv.max_diff == 0.0, inv
+
+
+def test_lean_with_rowlinear_speculative_greedy_output_is_ar():
+    t = make_target("llama", torch.bfloat16, backend="lean")
+    ref = t.logits(t.forward(torch.tensor([[5, 6, 7]]), torch.arange(3)[None], t.new_cache(1, 3), kv_len=3,
+                             taps=False)[0])
+    t.use_rowlinear()
+    ours = t.logits(t.forward(torch.tensor([[5, 6, 7]]), torch.arange(3)[None], t.new_cache(1, 3), kv_len=3,
+                              taps=False)[0])
+    assert torch.allclose(ours.float(), ref.float(), atol=0.1)  # the same model, another summation order
+    eng = DFlashEngine(t, make_drafter(t, block_size=8), eos_token_ids=[],
+                       config=DecodeConfig(tree=12, policy="fixed"))
+    prompts = [[5, 9, 11, 3], [7, 7, 1, 30, 31, 2, 8]]
+    ar = eng.generate(prompts, max_new_tokens=40, config=DecodeConfig.autoregressive())
+    assert [g.tokens for g in eng.generate(prompts, max_new_tokens=40)] == [g.tokens for g in ar]
+
+
+def test_kernel_flags_are_checked(tmp_path):
+    hf = make_target("llama", torch.bfloat16)
+    with pytest.raises(DFlashError, match="lean backend"):
+        apply_kernels(hf, tmp_path, kernel="rowlinear")
+    lean = make_target("llama", torch.float32, backend="lean")
+    with pytest.raises(DFlashError, match="bfloat16"):
+        apply_kernels(lean, tmp_path, kernel="rowlinear")
+    with pytest.raises(DFlashError, match="not a GGUF target"):
+        apply_kernels(make_target("llama", torch.bfloat16, backend="lean"), tmp_path, quant="int4")
+
+
+@pytest.mark.parametrize("n,prompt,seed", [(8, 29, 1), (16, 40, 2)])
+def test_lean_with_fused_attention_is_bitwise_batch_invariant(arch, n, prompt, seed):
+    """The one-call attention (kernels/attention.cpp), alone and with rowlinear: blocks, trees, ragged batches."""
+    t = make_target(arch, torch.bfloat16, backend="lean")
+    t.use_fused_attention()
+    assert measure(t, n=n, prompt=prompt, seed=seed).exact
+    t.use_rowlinear()
+    assert t.engine_name == "LeanTarget+rowlinear+attend"
+    inv = measure(t, n=n, prompt=prompt, seed=seed)
+    assert inv.exact and inv.max_diff == 0.0, inv
+
+
+def test_fused_attention_computes_the_same_model(arch):
+    """Same logits as the tensor-op attention up to bf16 rounding (fp32 scores instead of bf16 ones), incl. Gemma 3's
+    sliding window and a prompt longer than the gathered tail."""
+    ref = make_target(arch, torch.bfloat16, backend="lean")
+    ids = torch.randint(4, 90, (2, 70), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(70).expand(2, 70)
+    a = ref.logits(ref.forward(ids, pos, ref.new_cache(2, 80), kv_len=70, taps=False)[0]).float()
+    ref.use_fused_attention()
+    b = ref.logits(ref.forward(ids, pos, ref.new_cache(2, 80), kv_len=70, taps=False)[0]).float()
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
