@@ -93,7 +93,8 @@ def report(meta: dict, res: dict, out: Path) -> str:
           ""]
     for d, rows in res.items():
         sizes = sorted(int(n) for n in rows)
-        md += [f"## {d}", "", "| batch | ar tok/s | fixed tok/s (tau) | adaptive tok/s (tau) | adaptive / max(ar, fixed)"
+        md += [f"## {d}", "", f"Run: `{meta.get('runs', {}).get(d, meta['command'])}`", "",
+               "| batch | ar tok/s | fixed tok/s (tau) | adaptive tok/s (tau) | adaptive / max(ar, fixed)"
                " | median over chunks | drafter ran | draft nodes / row / step |", "|---|---|---|---|---|---|---|---|"]
         for n in sizes:
             r = rows[str(n)]
@@ -137,18 +138,27 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--batch-size", type=int, action="append", default=None)
+    ap.add_argument("--datasets", default="humaneval,mt-bench-t1",
+                    help="comma list; results for other datasets already in --out are kept (one run per table)")
     ap.add_argument("--out", default="bench/results/policy-batch")
     args = ap.parse_args()
     sizes = args.batch_size or [1, 2, 4, 8, 16]
     target, tok, drafter, _ = load_models()
     engine = DFlashEngine(target, drafter, tokenizer=tok)
-    sets = {d: [encode_chat(tok, it[0]) for it in load_dataset(d, args.prompts)] for d in ("humaneval", "mt-bench-t1")}
+    sets = {d: [encode_chat(tok, it[0]) for it in load_dataset(d, args.prompts)] for d in args.datasets.split(",")}
     for m in METHODS.values():  # warm-up (and the cost model's calibration, if not cached)
-        engine.generate([sets["humaneval"][0]], max_new_tokens=4, config=m)
+        engine.generate([next(iter(sets.values()))[0]], max_new_tokens=4, config=m)
     res = {d: sweep(engine, p, sizes, args.max_new_tokens, d) for d, p in sets.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join(["bench/policy_sweep.py"] + sys.argv[1:]), "prompts": args.prompts,
+    command = " ".join(["bench/policy_sweep.py"] + sys.argv[1:])
+    runs = {d: command for d in res}
+    if (out / "policy_sweep.json").exists():  # keep the tables of datasets this run did not redo
+        saved = json.loads((out / "policy_sweep.json").read_text())
+        old = saved["meta"].get("runs") or {d: saved["meta"]["command"] for d in saved["results"]}
+        runs = {**{d: c for d, c in old.items() if d not in res}, **runs}
+        res = {**{d: r for d, r in saved["results"].items() if d not in res}, **res}
+    meta = {"command": command, "runs": runs, "prompts": args.prompts,
             "max_new_tokens": args.max_new_tokens, "dtype": str(target.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "backend": type(target).__name__, "exactness": mode(target),
             "calibration": engine.policy(engine.resolve(METHODS["adaptive"])).acc.report(),

@@ -9,7 +9,9 @@ as `--speculative-config method=dflash`; built by scripts/vllm-env.sh, skipped w
 Every engine gets the same CPU threads (torch's count here; vLLM bound to cores 0..n-1). `--requests` chat
 requests (MT-Bench first turns, T=0) are sent by the `openai` client at concurrency 1, 2, 4, 8, 16. Reported:
 aggregate completion tokens/s, median per-user tokens/s (completion tokens / request latency), median latency,
-tau from the server's own statistics (vLLM: its /metrics acceptance counters). Writes serve_load.json,
+tau from the server's own statistics (vLLM: its /metrics acceptance counters). All servers are started first and
+each concurrency level is run by every mode back to back in a rotating order (drift on a shared host hits all
+modes alike). Writes serve_load.json,
 serve_load.md and serve_load.png.
 """
 
@@ -115,18 +117,92 @@ def vllm_server(py: str, target_dir: str, drafter_dir: str | None, block: int, d
         yield base, (lambda: vllm_counters(base)) if drafter_dir else None
 
 
+def start_server(mode: str, args, threads: int, out: Path):
+    """The server context of one mode, or a string saying why it is skipped."""
+    from dflashkit.bench import vllm_python
+    from dflashkit.loader import BUNDLED_DRAFTER, resolve_target_dir
+
+    if not mode.startswith("vllm"):
+        return dflashkit_server(mode, args.dtype, threads, out / f"{mode}.log")
+    py = vllm_python()
+    if py is None:
+        return "no vLLM virtualenv: run scripts/vllm-env.sh"
+    block = int(mode.rsplit("-b", 1)[1]) if "-b" in mode else 1
+    return vllm_server(py, str(resolve_target_dir(None)), str(BUNDLED_DRAFTER) if block > 1 else None,
+                       block, args.dtype, threads, out / f"{mode}.log")
+
+
+def ask(client, prompt: str, max_tokens: int):
+    """(completion tokens, latency s, the server's dflash statistics or None) of one chat request."""
+    t0 = time.perf_counter()
+    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=max_tokens, temperature=0)
+    return r.usage.completion_tokens, time.perf_counter() - t0, (r.model_extra or {}).get("dflash")
+
+
+def load_round(mode: str, server, prompts: list[str], conc: int, max_tokens: int) -> dict:
+    """Every prompt sent at `conc` concurrent clients to one server: throughput, per-user speed, tau, policy."""
+    base, counters, client = server
+    c0 = counters() if counters else None
+    p0 = policy_counters(base) if mode == "default" else None
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(conc) as ex:
+        res = list(ex.map(lambda p: ask(client, p, max_tokens), prompts))
+    wall = time.perf_counter() - t0
+    toks = sum(r[0] for r in res)
+    if counters:  # vLLM: tau = 1 + accepted / drafts over this round
+        c1 = counters()
+        tau = 1 + (c1[1] - c0[1]) / max(c1[0] - c0[0], 1)
+    elif res[0][2]:
+        passes = sum(r[2]["target_passes"] for r in res)
+        tau = sum(r[2]["tau"] * r[2]["target_passes"] for r in res) / passes if passes else 1.0
+    else:
+        tau = 1.0
+    row = {"mode": mode, "concurrency": conc, "requests": len(res), "completion_tokens": toks,
+           "wall_s": round(wall, 3), "per_user": [r[0] / r[1] for r in res], "latency": [r[1] for r in res],
+           "throughput_tok_s": round(toks / wall, 2),
+           "per_user_tok_s_median": round(statistics.median(r[0] / r[1] for r in res), 2),
+           "latency_s_median": round(statistics.median(r[1] for r in res), 3), "tau": round(tau, 3)}
+    if p0:  # what the adaptive policy chose over this round
+        p1 = policy_counters(base)
+        steps = max(p1[0] - p0[0], 1)
+        row["drafter_fraction"] = round((p1[1] - p0[1]) / steps, 3)
+        row["draft_nodes_per_step"] = round((p1[2] - p0[2]) / steps, 2)
+    return row
+
+
+def merge_rounds(rows: list[dict], names: list[str]) -> list[dict]:
+    """One row per (mode, concurrency) over all rounds: throughput = all tokens / all wall time, medians over all
+    requests, tau averaged over rounds; `rounds_throughput` keeps each round's figure."""
+    out = []
+    for mode in names:
+        for conc in sorted({r["concurrency"] for r in rows}):
+            rr = [r for r in rows if r["mode"] == mode and r["concurrency"] == conc]
+            m = {"mode": mode, "concurrency": conc, "requests": sum(r["requests"] for r in rr),
+                 "completion_tokens": sum(r["completion_tokens"] for r in rr),
+                 "throughput_tok_s": round(sum(r["completion_tokens"] for r in rr) / sum(r["wall_s"] for r in rr), 2),
+                 "per_user_tok_s_median": round(statistics.median([u for r in rr for u in r["per_user"]]), 2),
+                 "latency_s_median": round(statistics.median([u for r in rr for u in r["latency"]]), 3),
+                 "tau": round(statistics.fmean(r["tau"] for r in rr), 3),
+                 "rounds_throughput": [r["throughput_tok_s"] for r in rr]}
+            if "drafter_fraction" in rr[0]:
+                m["drafter_fraction"] = round(statistics.fmean(r["drafter_fraction"] for r in rr), 3)
+                m["draft_nodes_per_step"] = round(statistics.fmean(r["draft_nodes_per_step"] for r in rr), 2)
+            out.append(m)
+    return out
+
+
 def main() -> int:
     from openai import OpenAI
 
-    from dflashkit.bench import vllm_python
     from dflashkit.data import mtbench_questions
-    from dflashkit.loader import BUNDLED_DRAFTER, resolve_target_dir
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--modes", default="ar,dflash-b8,vllm,vllm-dflash-b8")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every (concurrency, mode) cell, interleaved")
     ap.add_argument("--out", default="bench/results/serve-load")
     ap.add_argument("--report-only", action="store_true", help="rewrite serve_load.md/.png from serve_load.json")
     args = ap.parse_args()
@@ -138,58 +214,35 @@ def main() -> int:
         return 0
     prompts = [q["turns"][0] for q in mtbench_questions()][: args.requests]
     threads = torch.get_num_threads()
-    rows, skipped = [], {}
-    for mode in args.modes.split(","):
-        block = int(mode.rsplit("-b", 1)[1]) if "-b" in mode else 1
-        if mode.startswith("vllm"):
-            py = vllm_python()
-            if py is None:
-                skipped[mode] = "no vLLM virtualenv: run scripts/vllm-env.sh"
-                print(f"skipping {mode}: {skipped[mode]}", flush=True)
+    rows, skipped, servers = [], {}, {}
+    with contextlib.ExitStack() as stack:
+        # Every server is started first and stays up (an idle one polls its queue every 50 ms); then each
+        # concurrency level is run by every mode back to back, in a rotating order. Why: on a shared 2-core host
+        # the same work ran 40 % slower minutes apart, so modes run one after another (minutes each) would
+        # compare different machines; interleaved, drift hits them alike.
+        for mode in args.modes.split(","):
+            server = start_server(mode, args, threads, out)
+            if isinstance(server, str):
+                skipped[mode] = server
+                print(f"skipping {mode}: {server}", flush=True)
                 continue
-            server = vllm_server(py, str(resolve_target_dir(None)), str(BUNDLED_DRAFTER) if block > 1 else None,
-                                 block, args.dtype, threads, out / f"{mode}.log")
-        else:
-            server = dflashkit_server(mode, args.dtype, threads, out / f"{mode}.log")
-        with server as (base, counters):
-            client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
-
-            def ask(p):
-                t0 = time.perf_counter()
-                r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": p}],
-                                                   max_tokens=args.max_tokens, temperature=0)
-                return r.usage.completion_tokens, time.perf_counter() - t0, (r.model_extra or {}).get("dflash")
-
-            ask(prompts[0])  # warm-up
+            base, counters = stack.enter_context(server)
+            servers[mode] = (base, counters, OpenAI(base_url=base + "/v1", api_key="none", max_retries=0,
+                                                    timeout=600))
+            ask(servers[mode][2], prompts[0], args.max_tokens)  # warm-up
+        names = list(servers)
+        k = 0
+        for _ in range(args.rounds):
             for conc in (1, 2, 4, 8, 16):
-                c0 = counters() if counters else None
-                p0 = policy_counters(base) if mode == "default" else None
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(conc) as ex:
-                    res = list(ex.map(ask, prompts))
-                wall = time.perf_counter() - t0
-                toks = sum(r[0] for r in res)
-                if counters:  # vLLM: tau = 1 + accepted / drafts over this round
-                    c1 = counters()
-                    tau = 1 + (c1[1] - c0[1]) / max(c1[0] - c0[0], 1)
-                elif res[0][2]:
-                    passes = sum(r[2]["target_passes"] for r in res)
-                    tau = sum(r[2]["tau"] * r[2]["target_passes"] for r in res) / passes if passes else 1.0
-                else:
-                    tau = 1.0
-                rows.append({"mode": mode, "concurrency": conc, "requests": len(res), "completion_tokens": toks,
-                             "throughput_tok_s": round(toks / wall, 2),
-                             "per_user_tok_s_median": round(statistics.median(r[0] / r[1] for r in res), 2),
-                             "latency_s_median": round(statistics.median(r[1] for r in res), 3),
-                             "tau": round(tau, 3)})
-                if p0:  # what the adaptive policy chose over this round
-                    p1 = policy_counters(base)
-                    steps = max(p1[0] - p0[0], 1)
-                    rows[-1]["drafter_fraction"] = round((p1[1] - p0[1]) / steps, 3)
-                    rows[-1]["draft_nodes_per_step"] = round((p1[2] - p0[2]) / steps, 2)
-                print(rows[-1], flush=True)
+                for mode in names[k % len(names):] + names[:k % len(names)]:
+                    rows.append(load_round(mode, servers[mode], prompts, conc, args.max_tokens))
+                    print({a: b for a, b in rows[-1].items() if a not in ("per_user", "latency")}, flush=True)
+                k += 1
+    rows = merge_rounds(rows, names)
     meta = {"command": " ".join(sys.argv), "threads": threads, "dtype": args.dtype, "requests": len(prompts),
-            "max_tokens": args.max_tokens, "prompts": "MT-Bench first turns", "skipped": skipped}
+            "max_tokens": args.max_tokens, "prompts": "MT-Bench first turns", "skipped": skipped,
+            "rounds": args.rounds,
+            "order": "interleaved: all servers up, each concurrency run by every mode back to back, rotating"}
     (out / "serve_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(report(meta, rows, out))
     return 0
@@ -203,7 +256,10 @@ def report(meta: dict, rows: list[dict], out: Path) -> str:
     md = [f"# Serving load (`{meta['command']}`)", "",
           f"{meta.get('requests', 16)} chat requests (MT-Bench first turns), max_tokens {meta['max_tokens']}, T=0, "
           f"{meta['dtype']}, {meta['threads']} CPU threads for every engine (vLLM bound to cores "
-          f"0-{meta['threads'] - 1}), loopback, openai client.", "",
+          f"0-{meta['threads'] - 1}), loopback, openai client."
+          + (" Order: " + meta["order"] + "." if "order" in meta else "")
+          + (f" Rounds: {meta['rounds']} per cell (throughput = all tokens / all time)." if "rounds" in meta else ""),
+          "",
           "Side by side: aggregate throughput tok/s / median per-user tok/s (tau for the DFlash modes).", "",
           "| concurrency | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
     for c in concs:
