@@ -95,7 +95,8 @@ def main() -> int:
     items = [x for i in range(max(len(he), 2 * len(mt)))
              for x in he[i:i + 1] + (mt[i // 2:i // 2 + 1] if i % 2 else [])]
     configs = [c.strip() for c in args.configs.split(",")]
-    meta = {"dtype": args.dtype, "backend": type(target).__name__, "max_new_tokens": args.max_new_tokens,
+    meta = {"dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+            "backend": getattr(target, "engine_name", type(target).__name__),
             "exactness": exactness_mode(target), "command": " ".join(sys.argv)}
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     path = out / "rows.jsonl"

@@ -160,7 +160,8 @@ def main() -> int:
         res = {**{d: r for d, r in saved["results"].items() if d not in res}, **res}
     meta = {"command": command, "runs": runs, "prompts": args.prompts,
             "max_new_tokens": args.max_new_tokens, "dtype": str(target.dtype).removeprefix("torch."),
-            "threads": torch.get_num_threads(), "backend": type(target).__name__, "exactness": mode(target),
+            "threads": torch.get_num_threads(), "exactness": mode(target),
+            "backend": getattr(target, "engine_name", type(target).__name__),
             "calibration": engine.policy(engine.resolve(METHODS["adaptive"])).acc.report(),
             "cost_model": vars(engine.policy(engine.resolve(METHODS["adaptive"])).cost)}
     (out / "policy_sweep.json").write_text(json.dumps({"meta": meta, "results": res}, indent=2) + "\n")

@@ -94,7 +94,8 @@ def main() -> int:
     rows = {name: profile(target, drafter, tok, c, prompts, args.max_new_tokens) for name, c in configs.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"backend": type(target).__name__, "dtype": args.dtype, "prompts": args.prompts,
+    meta = {"backend": getattr(target, "engine_name", type(target).__name__), "dtype": args.dtype,
+            "prompts": args.prompts,
             "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}
     (out / "profile.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"ms per step ({meta['backend']}, {args.dtype}, {args.prompts} HumanEval prompts decoded alone, "

@@ -58,7 +58,11 @@ def test_cost_model_interpolates_extrapolates_and_learns():
     for _ in range(60):  # the machine is really twice as slow at 8 tokens: the model follows
         c.observe(8, 0, 0, 160.0)
     assert c.verify(8, 0) == pytest.approx(160.0, rel=0.02)
-    assert c.verify(1, 0) == pytest.approx(10.0)  # points far away stay
+    # every width alike: a slower AR step must not make the unmeasured wide passes look cheap by comparison
+    assert c.verify(1, 0) == pytest.approx(20.0, rel=0.02) and c.verify(64, 0) / c.verify(1, 0) == pytest.approx(64)
+    for _ in range(60):  # a drafting step that takes 100 ms more than predicted: verify and draft share the error
+        c.observe(8, 0, 4, c.verify(8, 0) + c.draft(4) + 100.0)
+    assert c.draft(4) > 8.0 * 1.5
     frozen = CostModel([1.0] * len(VERIFY_GRID), 0.0, [1.0] * 3, learn=False)
     frozen.observe(8, 0, 1, 1e6)
     assert frozen.verify(8, 0) == 1.0

@@ -10,7 +10,9 @@ kernels.
 from __future__ import annotations
 
 import logging
+import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +33,20 @@ def _build_dir() -> Path:
     return d
 
 
+def _put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the pip package's binary sits next to this interpreter (a venv that
+    is used without being activated, as `make test` does, does not have it on PATH)."""
+    dirs = [str(Path(sys.executable).parent)]
+    try:
+        import ninja
+
+        dirs.insert(0, str(ninja.BIN_DIR))
+    except (ImportError, AttributeError):
+        pass
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    os.environ["PATH"] = os.pathsep.join([d for d in dict.fromkeys(dirs) if d not in path] + path)
+
+
 def load():
     """The compiled module, or None (the reason in `why_unavailable()`). Compiles on first use (~30-60 s)."""
     if "mod" in _state:
@@ -42,6 +58,8 @@ def load():
         return None
     try:
         from torch.utils.cpp_extension import load as build
+
+        _put_ninja_on_path()
 
         t0 = time.time()
         if not any(_build_dir().glob("dflashkit_kernels*.so")):
