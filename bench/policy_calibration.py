@@ -24,7 +24,7 @@ from dflashkit import DecodeConfig, DFlashEngine
 from dflashkit.bench.datasets import load_dataset
 from dflashkit.bench.report import _calibration
 from dflashkit.loader import encode_chat, load_models
-from dflashkit.policy import DRAFT_GRID, VERIFY_GRID, CostModel
+from dflashkit.step_cost import DRAFT_GRID, VERIFY_GRID, CostModel
 
 
 def main() -> int:

@@ -47,10 +47,12 @@ def run_chunk(engine, prompts, config, max_new) -> tuple[int, float, float, list
     return toks - first, end - t_first, end - t0, acc
 
 
-def sweep(engine, prompts, sizes, max_new, desc) -> dict:
+def sweep(engine, prompts, sizes, max_new, desc, base: int, min_chunks: int) -> dict:
+    """base: prompts per batch size; big batches take more (`min_chunks` chunks of n) so no cell is one chunk."""
     out = {}
     for n in sizes:
-        chunks = [prompts[i:i + n] for i in range(0, len(prompts), n)]
+        use = prompts[:max(base, n * min_chunks)]
+        chunks = [use[i:i + n] for i in range(0, len(use), n)]
         tot = {m: [0, 0.0, 0.0, []] for m in METHODS}
         ratios = []
         pol = engine.policy(engine.resolve(METHODS["adaptive"]))
@@ -85,7 +87,8 @@ def sweep(engine, prompts, sizes, max_new, desc) -> dict:
 
 def report(meta: dict, res: dict, out: Path) -> str:
     md = [f"# Step policy vs batch size (`{meta['command']}`)", "",
-          f"{meta['prompts']} prompts per dataset, {meta['max_new_tokens']} new tokens, greedy, {meta['dtype']}, "
+          f"{meta['prompts']} prompts per dataset (batch n: at least n x {meta.get('min_chunks', 1)}), "
+          f"{meta['max_new_tokens']} new tokens, greedy, {meta['dtype']}, "
           f"{meta['threads']} threads, backend {meta['backend']} (exactness: {meta['exactness']}). Each chunk of "
           "prompts is decoded by all three methods back to back (rotating order); tokens/s = decode throughput "
           "(generated tokens after the first / time after the prefill). "
@@ -138,6 +141,9 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--batch-size", type=int, action="append", default=None)
+    ap.add_argument("--min-chunks", type=int, default=1,
+                    help="at least this many chunks per batch size: batch n decodes max(prompts, n x this) prompts "
+                         "(one chunk of 16 at batch 16 is one sample of a host whose speed swings 20-30 %%)")
     ap.add_argument("--datasets", default="humaneval,mt-bench-t1",
                     help="comma list; results for other datasets already in --out are kept (one run per table)")
     ap.add_argument("--out", default="bench/results/policy-batch")
@@ -145,10 +151,11 @@ def main() -> int:
     sizes = args.batch_size or [1, 2, 4, 8, 16]
     target, tok, drafter, _ = load_models()
     engine = DFlashEngine(target, drafter, tokenizer=tok)
-    sets = {d: [encode_chat(tok, it[0]) for it in load_dataset(d, args.prompts)] for d in args.datasets.split(",")}
+    need = max([args.prompts] + [n * args.min_chunks for n in sizes])
+    sets = {d: [encode_chat(tok, it[0]) for it in load_dataset(d, need)] for d in args.datasets.split(",")}
     for m in METHODS.values():  # warm-up (and the cost model's calibration, if not cached)
         engine.generate([next(iter(sets.values()))[0]], max_new_tokens=4, config=m)
-    res = {d: sweep(engine, p, sizes, args.max_new_tokens, d) for d, p in sets.items()}
+    res = {d: sweep(engine, p, sizes, args.max_new_tokens, d, args.prompts, args.min_chunks) for d, p in sets.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["bench/policy_sweep.py"] + sys.argv[1:])
@@ -158,7 +165,7 @@ def main() -> int:
         old = saved["meta"].get("runs") or {d: saved["meta"]["command"] for d in saved["results"]}
         runs = {**{d: c for d, c in old.items() if d not in res}, **runs}
         res = {**{d: r for d, r in saved["results"].items() if d not in res}, **res}
-    meta = {"command": command, "runs": runs, "prompts": args.prompts,
+    meta = {"command": command, "runs": runs, "prompts": args.prompts, "min_chunks": args.min_chunks,
             "max_new_tokens": args.max_new_tokens, "dtype": str(target.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "exactness": mode(target),
             "backend": getattr(target, "engine_name", type(target).__name__),

@@ -9,8 +9,10 @@ import torch
 from conftest import make_drafter, make_target
 from dflashkit import DecodeConfig, DFlashEngine, DFlashError
 from dflashkit.lookup import LookupParams
-from dflashkit.policy import (ANCHOR, DRAFT_GRID, VERIFY_GRID, Acceptance, CostModel, best_cut, load_or_calibrate)
-from dflashkit.tree import DraftNodes, accept, build, prune, topk_tree
+from dflashkit.batch import SeqState
+from dflashkit.policy import ANCHOR, PROBE_BUDGET, Acceptance, AdaptivePolicy, _row_factor, best_cut
+from dflashkit.step_cost import DRAFT_GRID, VERIFY_GRID, CostModel, load_or_calibrate
+from dflashkit.tree import accept, build, prune, topk_tree
 from test_engine import PROMPTS, check_caches_while_decoding, reference_runs, with_oracle
 
 
@@ -63,6 +65,9 @@ def test_cost_model_interpolates_extrapolates_and_learns():
     for _ in range(60):  # a drafting step that takes 100 ms more than predicted: verify and draft share the error
         c.observe(8, 0, 4, c.verify(8, 0) + c.draft(4) + 100.0)
     assert c.draft(4) > 8.0 * 1.5
+    d = CostModel([10.0] * len(VERIFY_GRID), 0.0, [5.0, 8.0, 20.0], draft_ctx_ms=3.0, ingest_ms=4.0)
+    # one row at a 1,064-token context: +3 ms; 16 rows with 64 features pending each: 16 x 63 extra features
+    assert d.draft(1, 64 + 1000) == pytest.approx(8.0) and d.draft(16, 64, 16 * 64) == pytest.approx(20.0 + 4.032)
     frozen = CostModel([1.0] * len(VERIFY_GRID), 0.0, [1.0] * 3, learn=False)
     frozen.observe(8, 0, 1, 1e6)
     assert frozen.verify(8, 0) == 1.0
@@ -158,9 +163,10 @@ def test_the_cost_model_is_calibrated_once_and_cached(tmp_path, monkeypatch):
                        cost_file=str(file))
     c1 = eng.policy(eng.config).cost
     assert file.is_file() and all(x > 0 for x in c1.verify_ms + c1.draft_ms)
-    import dflashkit.policy as policy
+    assert c1.ingest_ms > 0 and c1.draft_ctx_ms >= 0  # the drafter's pending features and context were timed
+    import dflashkit.step_cost as step_cost
 
-    monkeypatch.setattr(policy, "calibrate", lambda *a: pytest.fail("measured again instead of reading the cache"))
+    monkeypatch.setattr(step_cost, "calibrate", lambda *a: pytest.fail("measured again instead of reading the cache"))
     c2 = load_or_calibrate(t, eng.drafter_proposer(eng.config), file)
     assert c2.verify_ms == c1.verify_ms
 
@@ -169,3 +175,38 @@ def test_policy_is_validated():
     with pytest.raises(DFlashError, match="policy must be one of"):
         DecodeConfig(policy="greedy")
     assert DecodeConfig.recommended().policy == "adaptive" and DecodeConfig().policy == "fixed"
+
+
+class _Batch:
+    """What `AdaptivePolicy.wants_drafter` reads of a batch: rows, their positions, the drafter's pending state."""
+
+    def __init__(self, rows: int, ctx: int):
+        self.seqs = [SeqState(i, [1, 2], 32, None) for i in range(rows)]
+        self.starts, self.dstate = [ctx] * rows, None
+
+
+def test_probes_of_a_drafter_that_never_pays_fit_the_budget():
+    """At 16 rows a drafting step here costs 6x a plain one. Probes (the drafter, then a wider verify) that never
+    pay must cost at most PROBE_BUDGET of the plain steps' time, plus the one first probe (the old rule, which
+    counted the drafter only and probed every 64 steps at most, spent ~6x more here)."""
+    c = CostModel([100.0 + 2.0 * n for n in VERIFY_GRID], 0.0, [50.0, 200.0, 500.0], learn=False)
+    pol, batch, probes, spent = AdaptivePolicy(c), _Batch(16, 100), 0, 0.0
+    base = c.verify(16, 101)
+    for _ in range(2000):
+        if pol.wants_drafter(batch, [[]] * 16, [0] * 16):
+            probes += 1
+            spent += c.draft(16, 100, 16) + c.verify(16 * 4, 104) - base
+            pol._learn_drafting(0.0, 1, False, 16)  # it did not pay
+    assert 1 <= probes and spent <= c.draft(16, 100, 16) + c.verify(64, 104) + PROBE_BUDGET * 2000 * base
+    assert probes <= 4  # the budget halves per unpaid probe: probing fades out
+    one = AdaptivePolicy(c)  # a single row, where drafting is cheap, still gets its own first probe
+    assert any(one.wants_drafter(_Batch(1, 100), [[]], [0]) for _ in range(8))
+
+
+def test_a_row_whose_drafts_fail_is_predicted_lower():
+    s = SeqState(0, [1], 8, None)
+    assert _row_factor(s) == 1.0  # no history: the table as it is
+    s.draft_pred, s.draft_hit = 10.0, 1.0  # predicted 10 accepted nodes, saw 1
+    low = _row_factor(s)
+    s.draft_pred, s.draft_hit = 4.0, 6.0
+    assert 0.25 <= low < 0.5 < 1.0 < _row_factor(s) <= 1.5

@@ -194,7 +194,7 @@ def test_speculative_sampling_with_the_adaptive_policy_matches_target_distributi
     """The adaptive policy cuts the tree + lookup branch where the cost model says (here: inside it, differently
     from step to step as its calibration learns); the cut depends on the drafter and the past only."""
     from dflashkit.lookup import LookupParams
-    from dflashkit.policy import DRAFT_GRID, VERIFY_GRID, CostModel
+    from dflashkit.step_cost import DRAFT_GRID, VERIFY_GRID, CostModel
 
     t = small_target(backend)
     cost = CostModel([100.0 + 0.01 * n for n in VERIFY_GRID], 0.0, [5.0] * len(DRAFT_GRID), learn=False)

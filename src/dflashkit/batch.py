@@ -64,6 +64,8 @@ class SeqState:
     t_first: float = 0.0
     logprobs_k: int | None = None  # None: no log-probabilities; k: each token's, plus the k most likely
     logprobs: list = field(default_factory=list)  # per generated token: (logprob, [(id, logprob)] * k)
+    draft_pred: float = 0.0  # the step policy's decayed sums of this row's predicted and observed acceptance
+    draft_hit: float = 0.0
 
     def commit(self, tokens: list[int], eos_ids: set[int], tokenizer, logprobs: list | None = None) -> StepOutput:
         """Append tokens, cutting at EOS, max_new_tokens, or a stop string (also mid-block). `logprobs`: one entry

@@ -22,7 +22,8 @@ from .batch import DecodeBatch, SeqState, StepOutput, cache_positions
 from .decode_config import DecodeConfig
 from .drafter import DFlashDrafter
 from .errors import DFlashError
-from .policy import AdaptivePolicy, CostModel, FixedPolicy, load_or_calibrate
+from .policy import AdaptivePolicy, FixedPolicy
+from .step_cost import CostModel, load_or_calibrate
 from .proposers import DrafterProposer, LookupProposer, check_compatible
 from .sampling import SamplingParams
 from .stats import GenerationStats

@@ -4,12 +4,13 @@ Every verified token costs time (on 2 CPU cores a pass of 16 tokens can cost 6x 
 forward costs time too. A draft is worth verifying only where its expected accepted tokens buy back its cost, and
 that depends on the machine, the batch size, the context length and how well the drafter is doing right now.
 
-- `CostModel`: ms of a target pass as a function of the tokens it verifies (all rows, padded width) and the context
-  length, plus the drafter's ms per batch size. Calibrated once per machine and model (`calibrate`, a few seconds,
-  cached in `~/.cache/dflashkit/cost.json`), then corrected online from every measured step.
+- `CostModel` (`step_cost.py`): ms of a target pass by the tokens it verifies (all rows, padded width) and the
+  context length, plus the drafter's by its rows, context and pending features. Calibrated once per machine and
+  model, then corrected online from every measured step.
 - `Acceptance`: the expected acceptance of each node, calibrated from what verification observed: a drafter node
   by its path probability (binned, observed rate per bin; a prior at the drafter's own claim), a lookup token by
-  its match length (the rate at which the next copied token is right).
+  its match length (the rate at which the next copied token is right); both times each row's own observed /
+  predicted ratio (`_row_factor`).
 - `AdaptivePolicy`: before drafting, runs the drafter only where it has been paying at this batch size (with
   back-off probes so it can find out it pays again); after drafting, keeps the nodes worth more than a threshold
   chosen to maximise committed tokens per millisecond of the whole batch (`best_cut`). Keeping only the anchor is
@@ -23,143 +24,20 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
-from .measurements import lookup, machine_key, store
+from .step_cost import CostModel
 
 log = logging.getLogger(__name__)
 
-VERIFY_GRID = (1, 2, 4, 8, 16, 32, 64)  # tokens per target pass timed by `calibrate` (linear beyond the last)
-DRAFT_GRID = (1, 4, 16)  # batch rows of the drafter's forward timed by `calibrate`
 # The time a cut costs beyond the AR step counts this much more when cuts are compared: the cost and acceptance
 # models are estimates, and a guess may only risk time where the predicted win is clear.
 MARGIN = 1.05
 PROB_EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # drafter path-probability bins
 ANCHOR = 1e9  # the anchor's value: always kept (its verification is the AR step itself)
-
-
-def _interp(grid: tuple, ys: list[float], x: float) -> float:
-    """Piecewise-linear through (grid, ys); the last segment's slope beyond the ends."""
-    i = min(max(int(np.searchsorted(grid, x)) - 1, 0), len(grid) - 2)
-    x0, x1 = grid[i], grid[i + 1]
-    return ys[i] + (ys[i + 1] - ys[i]) * (x - x0) / (x1 - x0)
-
-
-@dataclass
-class CostModel:
-    """Milliseconds of one decoding step here. verify_ms: a target pass (forward + LM head) of VERIFY_GRID tokens
-    at a short context; ctx_ms: extra ms per verified token per 1,000 context positions; draft_ms: the drafter's
-    proposal for DRAFT_GRID rows. learn: correct online from measured steps (`observe`)."""
-
-    verify_ms: list[float]
-    ctx_ms: float
-    draft_ms: list[float]
-    learn: bool = True
-    rate: float = 0.15  # how far one measured step moves the model toward itself
-
-    scale: float = 1.0  # learned: measured / calibrated, for the target pass (all widths alike) ...
-    draft_scale: float = 1.0  # ... and for the drafter
-
-    def verify(self, tokens: int, ctx: int) -> float:
-        base = max(_interp(VERIFY_GRID, self.verify_ms, tokens), 1e-3) + self.ctx_ms * tokens * ctx / 1000
-        return self.scale * base
-
-    def draft(self, rows: int) -> float:
-        return self.draft_scale * max(_interp(DRAFT_GRID, self.draft_ms, rows), 1e-3)
-
-    def observe(self, tokens: int, ctx: int, draft_rows: int, ms: float) -> None:
-        """A measured step moves the scales toward measured / predicted. Why one scale for every width, not a local
-        correction at the width measured: most steps are AR steps, and what makes them slower than calibrated (a
-        busy host, per-row work outside the forward) slows wider passes alike; raising only the AR point would make
-        the never-measured wide passes look cheap by comparison, and the policy would verify at a loss (measured:
-        0.64x AR at batch 16 on MT-Bench). The calibrated shape is kept."""
-        if not self.learn:
-            return
-        pred = self.verify(tokens, ctx) + (self.draft(draft_rows) if draft_rows else 0.0)
-        err = min(max(ms - pred, -0.5 * pred), 0.5 * pred)  # a descheduled step must not wreck the model
-        step = 1 + self.rate * err / pred
-        self.scale *= step
-        if draft_rows:
-            self.draft_scale *= step
-
-
-def _best_of(fn, reps: int = 2) -> float:
-    fn()  # warm-up
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1000
-
-
-@torch.inference_mode()
-def calibrate(target, proposer) -> CostModel:
-    """Time target passes over VERIFY_GRID tokens (one row, a 64-token context; and 8 tokens at a 1,088-token
-    context for the context term) and the drafter's proposal (if any) at DRAFT_GRID rows."""
-    dev, vocab = target.device, min(target.vocab_size, 1000)
-    gen = torch.Generator().manual_seed(0)
-
-    def verify_fn(n: int, ctx: int):
-        cache = target.new_cache(1, ctx + n)
-        ids = torch.randint(4, vocab, (1, ctx + n), generator=gen).to(dev)
-        pos = torch.arange(ctx + n, device=dev)[None]
-        target.forward(ids[:, :ctx], pos[:, :ctx], cache, kv_len=ctx, taps=False)
-        vis = torch.ones((1, 1, n, ctx + n), dtype=torch.bool, device=dev)
-        taps = proposer is not None
-        return lambda: target.logits(target.forward(ids[:, ctx:], pos[:, ctx:], cache, kv_len=ctx + n, taps=taps,
-                                                    slots=pos[:, ctx:], visible=vis)[0])
-
-    verify = [_best_of(verify_fn(n, 64)) for n in VERIFY_GRID]
-    long_ctx = _best_of(verify_fn(8, 1088))
-    ctx_ms = max((long_ctx - _interp(VERIFY_GRID, verify, 8)) / 8, 0.0)  # per token per 1,000 positions
-    draft = [_best_of(_draft_fn(target, proposer, b)) for b in DRAFT_GRID] if proposer is not None else [0.0] * 3
-    return CostModel([round(x, 3) for x in verify], round(ctx_ms, 4), [round(x, 3) for x in draft])
-
-
-def _draft_fn(target, proposer, rows: int, ctx: int = 64):
-    from .proposers import DraftView
-
-    c = proposer.drafter.config
-    feats = torch.randn(rows, ctx, len(c.target_layer_ids) * target.hidden_size, generator=torch.Generator()
-                        .manual_seed(1)).to(device=target.device, dtype=target.dtype)
-    pos = torch.arange(ctx, device=target.device).expand(rows, ctx)
-    state = proposer.prefill(feats, pos, pos[:, -1], ctx + 2 * proposer.block_size, 1)
-    view = DraftView(torch.zeros(rows, dtype=torch.long, device=target.device),
-                     torch.full((rows,), ctx, device=target.device), ctx, [])
-    return lambda: proposer.propose(state, view, scores=True)
-
-
-def cost_key(target, proposer) -> str:
-    """What the costs depend on: the machine, torch, threads, the target's and drafter's shapes, dtype, backend."""
-    d = proposer.drafter.config if proposer is not None else None
-    draft = (d.num_hidden_layers, d.hidden_size, proposer.block_size, proposer.tree,
-             None if proposer.d2t is None else len(proposer.d2t)) if d is not None else None
-    # The kernels set the costs; on our kernels the drafter runs them too (engine.py), "v2" since it does.
-    engine = getattr(target, "engine_name", type(target).__name__)
-    if getattr(target, "kernel", "torch") != "torch":
-        engine += "/drafter-rowlinear-v2"
-    return machine_key("step-cost", engine, target.architecture, target.hidden_size, target.num_layers,
-                       target.vocab_size, target.dtype, target.device, draft)
-
-
-def load_or_calibrate(target, proposer, cache_file: str | os.PathLike | None) -> CostModel:
-    """`calibrate`, cached in `cache_file` (JSON) under `cost_key`."""
-    key = cost_key(target, proposer)
-    stored = lookup(cache_file, key)
-    if stored is not None:
-        return CostModel(**stored)
-    log.info("calibrating the step cost model on this machine (once; cached in %s)", cache_file)
-    cost = calibrate(target, proposer)
-    log.info("step cost: verify %s ms at %s tokens, drafter %s ms at %s rows", cost.verify_ms, VERIFY_GRID,
-             cost.draft_ms, DRAFT_GRID)
-    store(cache_file, key, {k: v for k, v in asdict(cost).items() if k not in ("learn", "rate")})
-    return cost
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -298,7 +176,24 @@ class FixedPolicy:
 
 
 PROBE_MIN, PROBE_MAX = 4, 64  # steps between probes of a drafter that stopped paying (doubling back-off)
-PROBE_BUDGET = 0.03  # and at least enough steps that probing costs at most this share of plain decoding time
+# ... and at least enough steps that a probe's extra time (the drafter, its pending features, the wider verify) is
+# at most this share of the plain decoding time since the last one; halved per probe in a row that did not pay at
+# this batch size, so where drafting never pays probing fades out (measured before: a probe at 16 rows, pending
+# features and verify included, took 647 ms against ~110 ms for a plain step; 5 % of such steps cost 20 %).
+PROBE_BUDGET = 0.03
+ROW_PRIOR, ROW_DECAY = 3.0, 0.9  # a row's own correction (`_row_factor`): pseudo-nodes, and the history's decay
+
+
+def _bucket(rows: int) -> int:
+    return max(rows, 1).bit_length()  # 1, 2-3, 4-7, 8-15, 16-31, ...
+
+
+def _row_factor(seq) -> float:
+    """A row's observed / predicted acceptance of its verified draft nodes (decayed history, shrunk to 1 by
+    ROW_PRIOR pseudo-nodes). Why: the calibration table is global, but how predictable a text is varies by row (code
+    copies, chat rambles); the table alone over-predicted the marginal 0.4-0.7 nodes (bench/results/policy-
+    calibration), exactly the ones whose cost the policy weighs."""
+    return min(max((seq.draft_hit + ROW_PRIOR) / (seq.draft_pred + ROW_PRIOR), 0.25), 1.5)
 
 
 class AdaptivePolicy:
@@ -316,9 +211,11 @@ class AdaptivePolicy:
         self.gain, self.width, self.drafted_once = 1.0, 4.0, False
         self.skipped = 0  # steps since the drafter last ran
         self.backoff = PROBE_MIN
+        self.unpaid: dict[int, int] = {}  # per batch-size bucket: probes in a row that did not pay
         self.stats = PolicyStats()
         self._plan: dict | None = None
         self._no_draft_rate = 0.0
+        self._draft_in = (0, 0)  # this step's drafter input: (context, pending features), for the cost model
 
     def _cost_of(self, batch):
         rows, ctx = len(batch.seqs), max(batch.starts)
@@ -330,21 +227,31 @@ class AdaptivePolicy:
         v[:, 0] = ANCHOR
         for r, (p, n, s) in enumerate(zip(props, matched, seqs)):
             if p and not s.finished:
-                v[r, 1:1 + len(p)] = self.acc.lookup_rate(n) ** np.arange(1, len(p) + 1)
+                v[r, 1:1 + len(p)] = np.minimum(self.acc.lookup_rate(n) ** np.arange(1, len(p) + 1)
+                                                * _row_factor(s), 1.0)
         return v
 
     def wants_drafter(self, batch, props: list, matched: list) -> bool:
-        """Run the drafter where drafting is predicted to beat this step's best without it, or when a probe is due
-        (after `backoff` skipped steps, and never more often than PROBE_BUDGET of plain decoding time allows)."""
+        """Run the drafter where drafting is predicted to beat this step's best without it, or when a probe is due:
+        after `backoff` skipped steps, once the plain steps since the last run cost enough that the probe's extra
+        time (drafter + its pending features + the wider verify) fits PROBE_BUDGET of them."""
         live = sum(not s.finished for s in batch.seqs)
         cost_of = self._cost_of(batch)
         cut = best_cut(self._lookup_values(props, matched, batch.seqs), live, cost_of, margin=MARGIN)
         self._no_draft_rate = cut[3]
         rows, w, base = len(batch.seqs), int(self.width), cost_of(1)
-        spent = self.cost.draft(rows) + cost_of(w) + (self.width - w) * (cost_of(w + 1) - cost_of(w))
-        judged = live * (1 + self.gain) / (base + MARGIN * (spent - base))  # as `best_cut` judges a cut
-        budget = self.cost.draft(rows) / (PROBE_BUDGET * base)
-        if judged > cut[4] or self.skipped + 1 >= max(self.backoff, budget):
+        pending = int(batch.dstate.pend_pos.numel()) if batch.dstate is not None else rows
+        self._draft_in = (max(batch.starts), pending)
+        extra = (self.cost.draft(rows, *self._draft_in) + cost_of(w) - base
+                 + (self.width - w) * (cost_of(w + 1) - cost_of(w)))
+        judged = live * (1 + self.gain) / (base + MARGIN * extra)  # as `best_cut` judges a cut
+        if judged > cut[4]:
+            return True
+        # The first probe at a batch size comes after `backoff` steps whatever it costs (nothing is known there
+        # yet: one probe per batch-size bucket in the engine's life); later ones wait for the budget.
+        k = _bucket(rows)
+        if self.skipped + 1 >= self.backoff and (
+                k not in self.unpaid or (self.skipped + 1) * base * PROBE_BUDGET / 2 ** self.unpaid[k] >= extra):
             return True
         self.skipped += 1
         return False
@@ -357,9 +264,10 @@ class AdaptivePolicy:
         m = draft.tokens.shape[1] if draft is not None else 0
         vals = torch.full((b, W), -math.inf, device=dev)
         p = torch.zeros((b, W), device=dev)
+        factor = torch.tensor([_row_factor(s) for s in batch.seqs], device=dev)
         if m:
             p[:, 1:1 + m] = draft.logp.float().exp()
-            vals[:, 1:1 + m] = self.acc.drafter_values(p[:, 1:1 + m])
+            vals[:, 1:1 + m] = (self.acc.drafter_values(p[:, 1:1 + m]) * factor[:, None]).clamp(max=1.0)
         look = self._lookup_values(props, matched, batch.seqs)
         vals[:, 1 + m:] = torch.as_tensor(look[:, 1:], dtype=torch.float32).to(dev)
         vals[:, 0] = ANCHOR
@@ -371,19 +279,21 @@ class AdaptivePolicy:
             vals = torch.minimum(vals, vals.gather(1, tree.parent))
         host = torch.stack([vals, p, tree.depth.float(), own]).cpu().numpy()  # the policy's one host read
         live = int(live_rows.sum())
-        sunk = self.cost.draft(b) if drafted else 0.0
+        sunk = self.cost.draft(b, *self._draft_in) if drafted else 0.0
         lam, width, gain, rate, _ = best_cut(host[0], live, self._cost_of(batch), sunk, MARGIN)
         keep = host[0] >= lam
         keep[:, 0] = True  # the anchor: its verification is the step itself
         depth = int(host[2][keep].max())
         if drafted:
-            self._learn_drafting(gain / max(live, 1), width, rate > self._no_draft_rate)
+            self._learn_drafting(gain / max(live, 1), width, rate > self._no_draft_rate, b)
         kept = [np.flatnonzero(k) for k in keep]
         self._plan = dict(kept=kept, p=host[1], own=host[3], m=m, width=width, drafted=drafted, rows=b,
-                          ctx=max(batch.starts), props=props, matched=matched, live=live)
+                          ctx=max(batch.starts), props=props, matched=matched, live=live, draft_in=self._draft_in,
+                          factor=factor.tolist())
+        self._draft_in = (0, 0)
         return prune(tree, torch.from_numpy(keep).to(dev), width, depth)
 
-    def _learn_drafting(self, gain: float, width: int, paid: bool) -> None:
+    def _learn_drafting(self, gain: float, width: int, paid: bool, rows: int) -> None:
         """A drafted step's best cut (expected accepted per live row, width) and whether it beat not drafting."""
         keep = 0.7 if self.drafted_once else 0.0  # the first measurement replaces the prior
         self.gain = keep * self.gain + (1 - keep) * gain
@@ -391,6 +301,8 @@ class AdaptivePolicy:
         self.drafted_once = True
         self.skipped = 0
         self.backoff = PROBE_MIN if paid else min(2 * self.backoff, PROBE_MAX)
+        k = _bucket(rows)
+        self.unpaid[k] = 0 if paid else min(self.unpaid.get(k, 0) + 1, 6)
 
     def observe(self, batch, host: list, span: int, ms: float) -> None:
         """After the commit: the step's time (cost model) and which kept nodes were accepted (calibration).
@@ -400,7 +312,7 @@ class AdaptivePolicy:
         if plan is None:
             return
         self.cost.observe(plan["rows"] * plan["width"], plan["ctx"] + plan["width"],
-                          plan["rows"] if plan["drafted"] else 0, ms)
+                          plan["rows"] if plan["drafted"] else 0, ms, *plan["draft_in"])
         st = self.stats
         st.steps += 1
         st.drafter_steps += plan["drafted"]
@@ -414,12 +326,18 @@ class AdaptivePolicy:
             path = set(row[span + 1: span + 2 + a])
             st.committed += a + 1
             st.nodes += len(plan["kept"][r]) - 1
+            seq, raw, hit = batch.seqs[r], 0.0, 0
             for j, old in enumerate(plan["kept"][r]):
                 if old:
                     self.acc.observe_prediction(float(plan["own"][r, old]), j in path)
+                    raw += float(plan["own"][r, old]) / plan["factor"][r]  # the table's own prediction
+                    hit += j in path
                 if 1 <= old <= plan["m"]:
                     ps.append(float(plan["p"][r, old]))
                     ok.append(j in path)
+            if raw:
+                seq.draft_pred = ROW_DECAY * seq.draft_pred + raw
+                seq.draft_hit = ROW_DECAY * seq.draft_hit + hit
             if plan["props"][r]:
                 self.acc.observe_lookup(plan["matched"][r], plan["props"][r], row[:a + 1])
         if ps:

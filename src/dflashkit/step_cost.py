@@ -1,0 +1,169 @@
+"""The machine's step cost: milliseconds of a target pass by the tokens it verifies and the context, and of the
+drafter by its rows, its context and the features it first ingests. Calibrated once per machine and model in a few
+seconds (`calibrate`, cached in ~/.cache/dflashkit/cost.json under `cost_key`), corrected online from measured steps
+(`CostModel.observe`). The step policy (`policy.py`) weighs every draft against it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from .measurements import lookup, machine_key, store
+
+log = logging.getLogger(__name__)
+
+VERIFY_GRID = (1, 2, 4, 8, 16, 32, 64)  # tokens per target pass timed by `calibrate` (linear beyond the last)
+DRAFT_GRID = (1, 4, 16)  # batch rows of the drafter's forward timed by `calibrate`
+DRAFT_CTX = 64  # ... at this context length (a context term and the pending features' cost are timed apart)
+
+
+def _interp(grid: tuple, ys: list[float], x: float) -> float:
+    """Piecewise-linear through (grid, ys); the last segment's slope beyond the ends."""
+    i = min(max(int(np.searchsorted(grid, x)) - 1, 0), len(grid) - 2)
+    x0, x1 = grid[i], grid[i + 1]
+    return ys[i] + (ys[i + 1] - ys[i]) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class CostModel:
+    """Milliseconds of one decoding step here. verify_ms: a target pass (forward + LM head) of VERIFY_GRID tokens
+    at a short context; ctx_ms: extra ms per verified token per 1,000 context positions; draft_ms: the drafter's
+    proposal for DRAFT_GRID rows at a DRAFT_CTX context, one feature pending per row. learn: correct online from
+    measured steps (`observe`)."""
+
+    verify_ms: list[float]
+    ctx_ms: float
+    draft_ms: list[float]
+    draft_ctx_ms: float = 0.0  # the drafter: extra ms per row per 1,000 context positions beyond DRAFT_CTX ...
+    ingest_ms: float = 0.0  # ... and ms per 1,000 pending features written into its cache (`DraftState`)
+    learn: bool = True
+    rate: float = 0.15  # how far one measured step moves the model toward itself
+
+    scale: float = 1.0  # learned: measured / calibrated, for the target pass (all widths alike) ...
+    draft_scale: float = 1.0  # ... and for the drafter
+
+    def verify(self, tokens: int, ctx: int) -> float:
+        base = max(_interp(VERIFY_GRID, self.verify_ms, tokens), 1e-3) + self.ctx_ms * tokens * ctx / 1000
+        return self.scale * base
+
+    def draft(self, rows: int, ctx: int = 0, pending: int = 0) -> float:
+        """The drafter's step for `rows` rows at context `ctx` with `pending` features (all rows) to ingest first.
+        Why the context and the pending features count: its attention reads every context feature (a 4,000-token
+        prompt costs it more than the target's verify) and a drafter skipped for k steps first writes k features
+        per row; timed at a short context only, the policy drafted at a loss on long prompts and big batches."""
+        base = max(_interp(DRAFT_GRID, self.draft_ms, rows), 1e-3)
+        extra = (self.draft_ctx_ms * rows * max(ctx - DRAFT_CTX, 0) / 1000
+                 + self.ingest_ms * max(pending - rows, 0) / 1000)
+        return self.draft_scale * (base + extra)
+
+    def observe(self, tokens: int, ctx: int, draft_rows: int, ms: float, draft_ctx: int = 0,
+                pending: int = 0) -> None:
+        """A measured step moves the scales toward measured / predicted. Why one scale for every width, not a local
+        correction at the width measured: most steps are AR steps, and what makes them slower than calibrated (a
+        busy host, per-row work outside the forward) slows wider passes alike; raising only the AR point would make
+        the never-measured wide passes look cheap by comparison, and the policy would verify at a loss (measured:
+        0.64x AR at batch 16 on MT-Bench). The calibrated shape is kept."""
+        if not self.learn:
+            return
+        pred = self.verify(tokens, ctx) + (self.draft(draft_rows, draft_ctx, pending) if draft_rows else 0.0)
+        err = min(max(ms - pred, -0.5 * pred), 0.5 * pred)  # a descheduled step must not wreck the model
+        step = 1 + self.rate * err / pred
+        self.scale *= step
+        if draft_rows:
+            self.draft_scale *= step
+
+
+def _best_of(fn, reps: int = 2) -> float:
+    fn()  # warm-up
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1000
+
+
+@torch.inference_mode()
+def calibrate(target, proposer) -> CostModel:
+    """Time target passes over VERIFY_GRID tokens (one row, a 64-token context; and 8 tokens at a 1,088-token
+    context for the context term) and the drafter's proposal (if any) at DRAFT_GRID rows (a DRAFT_CTX context),
+    at one row with a 1,088-token context (its context term) and with 256 features pending (its ingest term)."""
+    dev, vocab = target.device, min(target.vocab_size, 1000)
+    gen = torch.Generator().manual_seed(0)
+
+    def verify_fn(n: int, ctx: int):
+        cache = target.new_cache(1, ctx + n)
+        ids = torch.randint(4, vocab, (1, ctx + n), generator=gen).to(dev)
+        pos = torch.arange(ctx + n, device=dev)[None]
+        target.forward(ids[:, :ctx], pos[:, :ctx], cache, kv_len=ctx, taps=False)
+        vis = torch.ones((1, 1, n, ctx + n), dtype=torch.bool, device=dev)
+        taps = proposer is not None
+        return lambda: target.logits(target.forward(ids[:, ctx:], pos[:, ctx:], cache, kv_len=ctx + n, taps=taps,
+                                                    slots=pos[:, ctx:], visible=vis)[0])
+
+    verify = [_best_of(verify_fn(n, 64)) for n in VERIFY_GRID]
+    long_ctx = _best_of(verify_fn(8, 1088))
+    ctx_ms = max((long_ctx - _interp(VERIFY_GRID, verify, 8)) / 8, 0.0)  # per token per 1,000 positions
+    if proposer is None:
+        return CostModel([round(x, 3) for x in verify], round(ctx_ms, 4), [0.0] * len(DRAFT_GRID))
+    draft = [_best_of(_draft_fn(target, proposer, b)) for b in DRAFT_GRID]
+    draft_ctx = max(_best_of(_draft_fn(target, proposer, 1, ctx=DRAFT_CTX + 1024)) - draft[0], 0.0) / 1.024
+    ingest = max(_best_of(_draft_fn(target, proposer, 1, pending=257)) - draft[0], 0.0) / 0.256
+    return CostModel([round(x, 3) for x in verify], round(ctx_ms, 4), [round(x, 3) for x in draft],
+                     round(draft_ctx, 4), round(ingest, 4))
+
+
+def _draft_fn(target, proposer, rows: int, ctx: int = DRAFT_CTX, pending: int = 1):
+    """A drafter step for `rows` rows at context `ctx`, first ingesting `pending` features per row (restored before
+    every call, so that each timed call does the same work)."""
+    from .proposers import DraftView
+
+    c = proposer.drafter.config
+    feats = torch.randn(rows, ctx, len(c.target_layer_ids) * target.hidden_size, generator=torch.Generator()
+                        .manual_seed(1)).to(device=target.device, dtype=target.dtype)
+    pos = torch.arange(ctx, device=target.device).expand(rows, ctx)
+    state = proposer.prefill(feats, pos, pos[:, -1], ctx + 2 * proposer.block_size, pending)
+    held = state.pend_feats, state.pend_pos
+    view = DraftView(torch.zeros(rows, dtype=torch.long, device=target.device),
+                     torch.full((rows,), ctx, device=target.device), ctx, [])
+
+    def step():
+        state.pend_feats, state.pend_pos = held
+        return proposer.propose(state, view, scores=True)
+    return step
+
+
+def cost_key(target, proposer) -> str:
+    """What the costs depend on: the machine, torch, threads, the target's and drafter's shapes, dtype, backend."""
+    d = proposer.drafter.config if proposer is not None else None
+    draft = (d.num_hidden_layers, d.hidden_size, proposer.block_size, proposer.tree,
+             None if proposer.d2t is None else len(proposer.d2t)) if d is not None else None
+    # The kernels set the costs; on our kernels the drafter runs them too (engine.py), "v2" since it does.
+    engine = getattr(target, "engine_name", type(target).__name__)
+    if getattr(target, "kernel", "torch") != "torch":
+        engine += "/drafter-rowlinear-v2"
+    engine += "/draft-ctx"  # models calibrated before the drafter's context and ingest terms lack them
+    return machine_key("step-cost", engine, target.architecture, target.hidden_size, target.num_layers,
+                       target.vocab_size, target.dtype, target.device, draft)
+
+
+def load_or_calibrate(target, proposer, cache_file: str | os.PathLike | None) -> CostModel:
+    """`calibrate`, cached in `cache_file` (JSON) under `cost_key`."""
+    key = cost_key(target, proposer)
+    stored = lookup(cache_file, key)
+    if stored is not None:
+        return CostModel(**stored)
+    log.info("calibrating the step cost model on this machine (once; cached in %s)", cache_file)
+    cost = calibrate(target, proposer)
+    log.info("step cost: verify %s ms at %s tokens (+%s ms per token per 1K context), drafter %s ms at %s rows "
+             "(+%s ms per row per 1K context, +%s ms per 1K pending features)", cost.verify_ms, VERIFY_GRID,
+             cost.ctx_ms, cost.draft_ms, DRAFT_GRID, cost.draft_ctx_ms, cost.ingest_ms)
+    store(cache_file, key, {k: v for k, v in asdict(cost).items() if k not in ("learn", "rate")})
+    return cost
