@@ -1,9 +1,10 @@
 """Greedy speculative output vs the engine's own AR output, token for token, in the dtype users run (bfloat16).
 
-For every prompt (first turns of HumanEval and MT-Bench), AR and each speculative configuration decode it alone;
-the row records whether the token ids are identical and, if not, where they part. Resumable: one JSON line per
-(prompt, config) in rows.jsonl; rerun the same command to continue. Writes summary.json, summary.md and
-identical.png into --out. Exactness is judged WITHOUT any near-tie allowance.
+For every prompt (first turns of HumanEval and MT-Bench), AR and each speculative configuration decode it (alone,
+or `--batch N` prompts together, AR and speculation alike); the row records whether the token ids are identical
+and, if not, where they part. Resumable: one JSON line per (prompt, config) in rows.jsonl; rerun the same command
+to continue. Writes summary.json, summary.md and identical.png into --out. Exactness is judged WITHOUT any near-tie
+allowance.
 
     .venv/bin/python bench/bitwise_check.py --humaneval 164 --mtbench 80 --out bench/results/bitwise-bf16
 """
@@ -47,7 +48,8 @@ def write_reports(summary: dict, out: Path) -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     m = summary["meta"]
     lines = [f"Greedy output vs the same engine's AR output, {m['dtype']}, backend {m['backend']}, "
-             f"{m['max_new_tokens']} new tokens, exactness measured at start-up: {m['exactness']}.", "",
+             f"{m['max_new_tokens']} new tokens, prompts decoded {m.get('batch', 1)} at a time (AR and every config "
+             f"alike), exactness measured at start-up: {m['exactness']}. Command: `{m['command']}`.", "",
              "| config | outputs | identical to AR | differing | tokens | mean tau |", "|---|---|---|---|---|---|"]
     for cfg, r in summary["configs"].items():
         lines.append(f"| {cfg} | {r['outputs']} | {r['identical']} | {len(r['differing'])} | {r['tokens']} | "
@@ -78,6 +80,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--out", default="bench/results/bitwise-bf16")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="decode this many prompts together (AR and every config alike; on a batch-invariant engine "
+                         "each row's tokens equal its output decoded alone: tests/test_lean.py, test_kernels.py)")
     ap.add_argument("--report-only", action="store_true", help="summarise rows.jsonl without decoding more")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -97,26 +102,30 @@ def main() -> int:
     configs = [c.strip() for c in args.configs.split(",")]
     meta = {"dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "backend": getattr(target, "engine_name", type(target).__name__),
-            "exactness": exactness_mode(target), "command": " ".join(sys.argv)}
+            "exactness": exactness_mode(target), "command": " ".join(sys.argv), "batch": args.batch}
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     path = out / "rows.jsonl"
     done = {(r["id"], r["config"]) for r in map(json.loads, path.open())} if path.exists() else set()
     engines = {c: DFlashEngine(target, drafter, tokenizer=tok, config=CONFIGS[c]()) for c in configs}
     ar_engine = DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig.autoregressive())
-    for pid, prompt in tqdm(items, desc="prompts"):
-        todo = [c for c in configs if (pid, c) not in done]
-        if not todo:
-            continue
-        ids = encode_chat(tok, prompt)
-        ar = ar_engine.generate([ids], max_new_tokens=args.max_new_tokens)[0]
+    todo = [(pid, prompt) for pid, prompt in items if any((pid, c) not in done for c in configs)]
+    for k in tqdm(range(0, len(todo), args.batch), desc=f"prompts (batches of {args.batch})"):
+        chunk = todo[k:k + args.batch]
+        ids = [encode_chat(tok, prompt) for _, prompt in chunk]
+        ar = ar_engine.generate(ids, max_new_tokens=args.max_new_tokens)
         with path.open("a") as f:
-            for c in todo:
+            for c in configs:
+                rows = [i for i, (pid, _) in enumerate(chunk) if (pid, c) not in done]
+                if not rows:
+                    continue
                 t0 = time.perf_counter()
-                g = engines[c].generate([ids], max_new_tokens=args.max_new_tokens)[0]
-                row = {"id": pid, "config": c, "identical": g.tokens == ar.tokens,
-                       "first_difference": first_difference(ar.tokens, g.tokens), "tokens": len(g.tokens),
-                       "tau": round(g.stats.tau, 3), "seconds": round(time.perf_counter() - t0, 2)}
-                f.write(json.dumps(row) + "\n")  # one line per finished output: a rerun resumes after it
+                gs = engines[c].generate([ids[i] for i in rows], max_new_tokens=args.max_new_tokens)
+                for i, g in zip(rows, gs):
+                    row = {"id": chunk[i][0], "config": c, "identical": g.tokens == ar[i].tokens,
+                           "first_difference": first_difference(ar[i].tokens, g.tokens), "tokens": len(g.tokens),
+                           "tau": round(g.stats.tau, 3), "batch": len(rows),
+                           "seconds": round(time.perf_counter() - t0, 2)}
+                    f.write(json.dumps(row) + "\n")  # one line per finished output: a rerun resumes after it
     rows = [json.loads(x) for x in path.open()]
     summary = summarize(rows, meta)
     write_reports(summary, out)

@@ -1,14 +1,16 @@
 """Our own CPU kernels: `RowLinear`, a linear layer whose output rows do not depend on how many rows are
 computed, and `attend`, the lean target's attention in one row-invariant call per layer.
 
-The C++ sources (module.cpp, rowlinear.cpp, attention.cpp) are compiled once per torch version with torch's
-extension builder (g++ and the `ninja` package) into ~/.cache/dflashkit/kernels and loaded from there afterwards.
+The C++ sources (module.cpp, rowlinear.cpp, attention.cpp; simd.h holds the helpers both kernels share) are
+compiled once per torch version with torch's extension builder (g++ and the `ninja` package) into
+~/.cache/dflashkit/kernels and loaded from there afterwards.
 Where they cannot be built (no compiler, no AVX2/FMA, not x86-64), `available()` says why and callers keep torch's
 kernels.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import platform
@@ -21,6 +23,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(n) for n in ("module.cpp", "rowlinear.cpp", "attention.cpp")]
+HEADERS = [Path(__file__).with_name("simd.h")]
 KINDS = {"bf16": 0, "q4_1": 1, "q8_0": 2}
 _state: dict = {}
 
@@ -64,11 +67,15 @@ def load():
         t0 = time.time()
         if not any(_build_dir().glob("dflashkit_kernels*.so")):
             log.info("compiling dflashkit's CPU kernels once into %s (~1-2 minutes of g++)", _build_dir())
+        # Why the headers' hash is a build flag: torch's builder versions an extension by its sources and flags
+        # only, so an edited header alone would not make it rebuild (the old .so would load).
+        headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
         mod = build(name="dflashkit_kernels", sources=[str(f) for f in SOURCES],
                     build_directory=str(_build_dir()),
                     # -fopenmp: at::parallel_for is OpenMP in torch's CPU build; without it the kernel runs on one
                     # thread. The libgomp.so.1 it links is the copy torch already loaded (same soname): one runtime.
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", f"-DDFLASHKIT_HEADERS={headers}"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
         log.info("row-invariant kernels ready (%.1f s; built or loaded from %s)", time.time() - t0, _build_dir())
         _state["mod"] = mod
     except Exception as e:  # noqa: BLE001 - any build failure means: fall back, and say why

@@ -21,29 +21,11 @@
 #include <limits>
 #include <vector>
 
-namespace {
+#include "simd.h"
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline __m256 bf16x8(const uint16_t* p) {  // 8 bf16 -> fp32 (exact)
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-
-inline uint16_t bf16_round(float f) {  // round to nearest even, as torch's float -> bfloat16
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-}  // namespace
+using dflashkit::bf16_round;
+using dflashkit::bf16x8;
+using dflashkit::hsum8;
 
 // q [B, Q, nh, hd] bf16; keys [B, kvh, T, hd] bf16; values [B, kvh, T, vd >= hd] bf16 (the first hd columns are
 // used); head [B, Q, S] bool (S <= T: key slot s is in this query's head part); tail [B, Q, L] int64 (the slot of

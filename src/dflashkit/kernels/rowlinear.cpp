@@ -22,25 +22,16 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
+
+using dflashkit::bf16_round;
+using dflashkit::bf16x8;
+using dflashkit::hsum8;
 
 constexpr int64_t TILE = 6;  // weight rows per tile; 2 tokens x 6 rows = 12 accumulators in 16 AVX2 registers
 constexpr int64_t FUSED_MAX_ROWS = 4;  // up to this many tokens, decode weights on the fly; more: through a buffer
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's float -> bfloat16
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 struct Weights {
   int kind;
@@ -55,8 +46,7 @@ struct Weights {
 inline __m256 load8(const Weights& W, int64_t n, int64_t k) {
   const uint8_t* row = W.codes + n * W.row_bytes;
   if (W.kind == 0) {
-    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));  // bf16 -> fp32 is exact
+    return bf16x8(row + 2 * k);  // bf16 -> fp32 is exact
   }
   const int64_t b = k / 32, c = (k % 32) / 8;
   const float d = W.d[n * (W.K / 32) + b];
@@ -71,7 +61,7 @@ inline __m256 load8(const Weights& W, int64_t n, int64_t k) {
   return _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
 }
 
-// Every output element is acc = 0; for k = 0, 8, 16, ...: acc = fma(w[k:k+8], x[k:k+8], acc); y = hsum(acc).
+// Every output element is acc = 0; for k = 0, 8, 16, ...: acc = fma(w[k:k+8], x[k:k+8], acc); y = hsum8(acc).
 // The three paths below only differ in how many (token, row) pairs they run side by side.
 
 // MR tokens, a full tile, weights decoded straight from the codes: few tokens (a one-token step, small batches) read
@@ -90,7 +80,7 @@ inline void fused_tile(const Weights& W, int64_t n0, const float* x, int64_t ldx
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < TILE; ++r) out[i][r] = hsum(acc[i][r]);
+    for (int r = 0; r < TILE; ++r) out[i][r] = hsum8(acc[i][r]);
 }
 
 // MR tokens against a decoded tile buf [TILE][K] (rows past the matrix are zeros, their sums discarded).
@@ -108,7 +98,7 @@ inline void buffered_tile(const float* buf, int64_t K, const float* x, int64_t l
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < TILE; ++r) out[i][r] = hsum(acc[i][r]);
+    for (int r = 0; r < TILE; ++r) out[i][r] = hsum8(acc[i][r]);
 }
 
 }  // namespace
@@ -173,7 +163,7 @@ torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, t
   torch::Tensor yb = torch::empty({M, N}, x.options().dtype(torch::kBFloat16));
   uint16_t* bp = reinterpret_cast<uint16_t*>(yb.data_ptr());
   at::parallel_for(0, M * N, 4096, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) bp[i] = to_bf16(yp[i]);
+    for (int64_t i = i0; i < i1; ++i) bp[i] = bf16_round(yp[i]);
   });
   return yb;
 }

@@ -1,0 +1,36 @@
+// Small AVX2 helpers shared by rowlinear.cpp and attention.cpp. Both kernels must convert and sum exactly alike:
+// a bf16 value widens to the same fp32, an fp32 rounds to the same bf16 as torch's, and an 8-lane accumulator
+// reduces in one fixed order (a different reduction order would change the last bits of a logit).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace dflashkit {
+
+// The fixed horizontal sum of an 8-lane fp32 accumulator: (lo + hi) pairwise, then the two halves.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 8 bf16 -> 8 fp32 (exact: a bf16 is the top half of an fp32).
+inline __m256 bf16x8(const void* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// fp32 -> bf16, round to nearest even, as torch's float -> bfloat16 (NaN stays a quiet NaN).
+inline uint16_t bf16_round(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+}  // namespace dflashkit
