@@ -250,11 +250,14 @@ class AdaptivePolicy:
         judged = live * (1 + self.gain) / (base + MARGIN * extra)  # as `best_cut` judges a cut
         if judged > cut[4]:
             return True
-        # The first probe at a batch size comes after `backoff` steps whatever it costs (nothing is known there
-        # yet: one probe per batch-size bucket in the engine's life); later ones wait for the budget.
+        # The engine's first probe comes after `backoff` steps whatever it costs: nothing is known of the drafter
+        # yet. Later ones wait for the budget: what drafting earns per row is known then and carries over to other
+        # batch sizes through `judged` (measured: an unconditional first probe per batch size cost 5-10 % of a
+        # 32-token cell where drafting never paid).
         k = _bucket(rows)
         if self.skipped + 1 >= self.backoff and (
-                k not in self.unpaid or (self.skipped + 1) * base * PROBE_BUDGET / 2 ** self.unpaid[k] >= extra):
+                not self.drafted_once
+                or (self.skipped + 1) * base * PROBE_BUDGET / 2 ** self.unpaid.get(k, 0) >= extra):
             return True
         self.skipped += 1
         return False
@@ -264,6 +267,11 @@ class AdaptivePolicy:
         from .tree import prune
 
         dev, (b, W) = tree.tokens.device, tree.tokens.shape
+        if W == 1:  # nothing was proposed: the AR step, with no tensors to build (its cost is every step's)
+            self._plan = dict(kept=[np.zeros(1, dtype=int)] * b, m=0, width=1, drafted=False, rows=b,
+                              ctx=max(batch.starts), props=props, matched=matched, draft_in=(0, 0), factor=[1.0] * b,
+                              live=sum(not s.finished for s in batch.seqs), own=None, p=None)
+            return tree
         m = draft.tokens.shape[1] if draft is not None else 0
         vals = torch.full((b, W), -math.inf, device=dev)
         p = torch.zeros((b, W), device=dev)
