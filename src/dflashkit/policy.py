@@ -219,6 +219,7 @@ class AdaptivePolicy:
         self._plan: dict | None = None
         self._no_draft_rate = 0.0
         self._draft_in = (0, 0)  # this step's drafter input: (context, pending features), for the cost model
+        self._look: tuple | None = None  # this step's lookup values and their best cut (`wants_drafter`)
 
     def _cost_of(self, batch):
         rows, ctx = len(batch.seqs), max(batch.starts)
@@ -240,8 +241,9 @@ class AdaptivePolicy:
         time (drafter + its pending features + the wider verify) fits PROBE_BUDGET of them."""
         live = sum(not s.finished for s in batch.seqs)
         cost_of = self._cost_of(batch)
-        cut = best_cut(self._lookup_values(props, matched, batch.seqs), live, cost_of, margin=MARGIN)
-        self._no_draft_rate = cut[3]
+        look = self._lookup_values(props, matched, batch.seqs)
+        cut = best_cut(look, live, cost_of, margin=MARGIN)
+        self._no_draft_rate, self._look = cut[3], (look, cut)  # `choose` reuses them if the drafter does not run
         rows, w, base = len(batch.seqs), int(self.width), cost_of(1)
         pending = int(batch.dstate.pend_pos.numel()) if batch.dstate is not None else rows
         self._draft_in = (max(batch.starts), pending)
@@ -267,12 +269,10 @@ class AdaptivePolicy:
         from .tree import prune
 
         dev, (b, W) = tree.tokens.device, tree.tokens.shape
-        if W == 1:  # nothing was proposed: the AR step, with no tensors to build (its cost is every step's)
-            self._plan = dict(kept=[np.zeros(1, dtype=int)] * b, m=0, width=1, drafted=False, rows=b,
-                              ctx=max(batch.starts), props=props, matched=matched, draft_in=(0, 0), factor=[1.0] * b,
-                              live=sum(not s.finished for s in batch.seqs), own=None, p=None)
-            return tree
-        m = draft.tokens.shape[1] if draft is not None else 0
+        looked, self._look = self._look, None
+        if draft is None:
+            return self._choose_lookup(batch, tree, props, matched, looked)
+        m = draft.tokens.shape[1]
         vals = torch.full((b, W), -math.inf, device=dev)
         p = torch.zeros((b, W), device=dev)
         factor = torch.tensor([_row_factor(s) for s in batch.seqs], device=dev)
@@ -303,6 +303,31 @@ class AdaptivePolicy:
                           factor=factor.tolist())
         self._draft_in = (0, 0)
         return prune(tree, torch.from_numpy(keep).to(dev), width, depth)
+
+    def _choose_lookup(self, batch, tree, props: list, matched: list, looked):
+        """`choose` without a drafter proposal, on the host: the tree is the anchor plus each row's lookup branch
+        (node j = the j-th copied token, whose value rate^j is already prefix-closed). Why a path of its own: it
+        runs on most steps where speculation does not pay, and the tensor work of the general path cost ~3 % of a
+        plain step (measured at batch 16)."""
+        from .tree import prune
+
+        b, W = tree.tokens.shape
+        live = sum(not s.finished for s in batch.seqs)
+        look, cut = looked or (None, None)
+        if look is None:  # the drafter was not asked (no drafter, or the lookup alone was enough)
+            look = self._lookup_values(props, matched, batch.seqs)
+            cut = best_cut(look, live, self._cost_of(batch), 0.0, MARGIN)
+        look = np.concatenate([look, np.full((b, W - look.shape[1]), -np.inf)], 1) if look.shape[1] < W else look
+        keep = look >= cut[0]
+        keep[:, 0] = True
+        width = cut[1]
+        self._plan = dict(kept=[np.flatnonzero(k) for k in keep], p=None, own=look, m=0, width=width, drafted=False,
+                          rows=b, ctx=max(batch.starts), props=props, matched=matched, live=live, draft_in=(0, 0),
+                          factor=[_row_factor(s) for s in batch.seqs])
+        self._draft_in = (0, 0)
+        if width == 1 and W == 1:
+            return tree
+        return prune(tree, torch.from_numpy(keep).to(tree.tokens.device), width, width - 1)
 
     def _learn_drafting(self, gain: float, width: int, paid: bool, rows: int) -> None:
         """A drafted step's best cut (expected accepted per live row, width) and whether it beat not drafting."""
