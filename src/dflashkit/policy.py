@@ -22,7 +22,6 @@ that depends on the machine, the batch size, the context length and how well the
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -30,8 +29,6 @@ import numpy as np
 import torch
 
 from .step_cost import CostModel
-
-log = logging.getLogger(__name__)
 
 # The time a cut costs beyond the AR step counts this much more when cuts are compared: the cost and acceptance
 # models are estimates, and a guess may only risk time where the predicted win is clear. Measured: at 1.05 the
