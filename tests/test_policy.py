@@ -1,5 +1,6 @@
 """The adaptive step policy: its cost model, its calibration, the cut it chooses, and exactness with it on."""
 
+import json
 import math
 
 import numpy as np
@@ -163,7 +164,10 @@ def test_the_cost_model_is_calibrated_once_and_cached(tmp_path, monkeypatch):
                        cost_file=str(file))
     c1 = eng.policy(eng.config).cost
     assert file.is_file() and all(x > 0 for x in c1.verify_ms + c1.draft_ms)
-    assert c1.ingest_ms > 0 and c1.draft_ctx_ms >= 0  # the drafter's pending features and context were timed
+    # the drafter's context and pending-feature terms were timed and cached (a difference of two timings of a tiny
+    # model: >= 0, not necessarily > 0 on a busy machine)
+    stored = next(iter(json.loads(file.read_text()).values()))
+    assert {"draft_ctx_ms", "ingest_ms"} <= stored.keys() and min(c1.ingest_ms, c1.draft_ctx_ms) >= 0
     import dflashkit.step_cost as step_cost
 
     monkeypatch.setattr(step_cost, "calibrate", lambda *a: pytest.fail("measured again instead of reading the cache"))

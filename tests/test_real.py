@@ -211,7 +211,7 @@ def test_cli_generate_int4_target_compares_with_its_own_ar():
 
     if not available():
         pytest.skip(f"our kernels are unavailable here: {why_unavailable()}")
-    cmd = [sys.executable, "-m", "dflashkit.cli", "generate", "--prompt", PROMPTS[1], "--max-new-tokens", "24",
+    cmd = [sys.executable, "-m", "dflashkit.cli", "generate", "--prompt", PROMPTS[1], "--max-new-tokens", "16",
            "--quant", "int4", "--compare"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
