@@ -83,6 +83,39 @@ def test_lookup_proposes_what_followed_the_longest_recent_match():
     assert propose([1, 2, 3, 1, 2, 3], LookupParams(max_tokens=3, max_n=3, min_n=3)) == ([1, 2, 3], 3)
 
 
+def test_lookup_agrees_with_the_definition_on_random_sequences():
+    """The vectorised search against its definition, written plainly: for n from the longest down, the most recent
+    earlier occurrence of the last n tokens; small vocabularies make many candidate ends and ties."""
+    def plain(ids, p):
+        for n in range(min(p.max_n, len(ids) - 1), p.min_n - 1, -1):
+            for e in range(len(ids) - 2, n - 2, -1):
+                if ids[e - n + 1:e + 1] == ids[len(ids) - n:]:
+                    k = min(p.max_tokens, p.tokens_per_n * n) if p.tokens_per_n else p.max_tokens
+                    return ids[e + 1:e + 1 + k], n
+        return [], 0
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        ids = [rng.randrange(rng.randint(2, 9)) for _ in range(rng.randint(1, 40))]
+        max_n = rng.randint(1, 5)
+        p = LookupParams(max_tokens=rng.randint(1, 6), max_n=max_n, min_n=rng.randint(1, max_n),
+                         tokens_per_n=rng.randint(0, 2))
+        assert propose(ids, p) == plain(ids, p), (ids, p)
+
+
+def test_a_sequence_history_follows_its_commits():
+    from dflashkit.batch import SeqState
+    from dflashkit.stats import GenerationStats
+
+    s = SeqState(0, list(range(5)), 200, GenerationStats(span=1))
+    assert s.history().tolist() == list(range(5))
+    for k in range(1, 60):  # grows past the buffer's first capacity
+        s.generated.extend(range(100 + k, 100 + 2 * k))
+        assert s.history().tolist() == s.prompt + s.generated
+    del s.generated[3:]  # a stop string cut the tail
+    assert s.history().tolist() == s.prompt + s.generated
+
+
 def test_bad_lookup_settings_raise_clear_errors():
     for kw in ({"max_tokens": -1}, {"max_tokens": 4, "min_n": 0}, {"max_tokens": 4, "min_n": 3, "max_n": 2},
                {"max_tokens": 4, "skip_drafter_n": -1}):

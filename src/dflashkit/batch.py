@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .errors import DFlashError
@@ -66,6 +67,23 @@ class SeqState:
     logprobs: list = field(default_factory=list)  # per generated token: (logprob, [(id, logprob)] * k)
     draft_pred: float = 0.0  # the step policy's decayed sums of this row's predicted and observed acceptance
     draft_hit: float = 0.0
+    _history: np.ndarray | None = field(default=None, repr=False)  # `history`'s buffer (capacity >= its length)
+    _history_len: int = field(default=0, repr=False)
+
+    def history(self) -> np.ndarray:
+        """prompt + generated as an int64 array [T] (a view), kept incrementally: the lookup reads it every step,
+        and rebuilding it from the lists cost more than the lookup itself on long prompts."""
+        n, p = len(self.prompt) + len(self.generated), len(self.prompt)
+        buf, have = self._history, self._history_len
+        if buf is None or have > n or have < p:  # first use, or the generated tokens were cut (a stop string)
+            buf, have = np.empty(max(2 * n, 64), dtype=np.int64), 0
+            buf[:p] = self.prompt
+            have = p
+        if n > buf.size:
+            buf = np.concatenate([buf[:have], np.empty(n + max(n, 64), dtype=np.int64)])
+        buf[have:n] = self.generated[have - p:]
+        self._history, self._history_len = buf, n
+        return buf[:n]
 
     def commit(self, tokens: list[int], eos_ids: set[int], tokenizer, logprobs: list | None = None) -> StepOutput:
         """Append tokens, cutting at EOS, max_new_tokens, or a stop string (also mid-block). `logprobs`: one entry

@@ -63,10 +63,18 @@ def propose(tokens: list[int] | np.ndarray, params: LookupParams) -> tuple[list[
     ends = np.flatnonzero(ids[:-1] == ids[-1])[::-1]
     if ends.size == 0:
         return [], 0
-    for n in range(min(params.max_n, t), params.min_n - 1, -1):
-        suffix = ids[t - n + 1:]
-        for e in ends:
-            if e - n + 1 >= 0 and np.array_equal(ids[e - n + 1:e + 1], suffix):
-                k = min(params.max_tokens, params.tokens_per_n * n) if params.tokens_per_n else params.max_tokens
-                return ids[e + 1:e + 1 + k].tolist(), n
-    return [], 0
+    # The match length at each end, all ends at once: how many of the last `span` tokens agree going backwards
+    # (the first disagreement stops it: cumprod). Why `span` <= t: a suffix as long as the whole sequence has no
+    # earlier occurrence, and index t - j must stay >= 1.
+    span = min(params.max_n, t)
+    back = np.arange(span)
+    idx = ends[:, None] - back[None]  # [E, span] positions of the candidate's tokens, newest first
+    same = (idx >= 0) & (ids[np.maximum(idx, 0)] == ids[t - back][None])
+    length = np.cumprod(same, axis=1).sum(1)  # [E]
+    best = int(np.argmax(length))  # the first maximum: the most recent end with the longest match
+    n = int(length[best])
+    if n < params.min_n:
+        return [], 0
+    e = int(ends[best])
+    k = min(params.max_tokens, params.tokens_per_n * n) if params.tokens_per_n else params.max_tokens
+    return ids[e + 1:e + 1 + k].tolist(), n

@@ -159,6 +159,26 @@ class PolicyStats:
                 "nodes_per_row": round(self.nodes / max(self.rows, 1), 3), "mean_width": round(self.width / s, 3)}
 
 
+@dataclass
+class Plan:
+    """One step's choice, kept from `choose` to `observe`: per row the kept node indices, the nodes' predicted
+    values (`own`, before prefix-closing) and drafter probabilities, and what the cost model needs."""
+
+    kept: list  # per row: kept node indices (0 = the anchor)
+    own: np.ndarray  # [b, W] each node's predicted acceptance
+    p: np.ndarray | None  # [b, W] drafter path probabilities (None: no drafter proposal)
+    m: int  # drafter nodes occupy columns 1..m
+    width: int
+    drafted: bool
+    rows: int
+    ctx: int
+    live: int
+    props: list  # per row: the lookup proposal
+    matched: list  # per row: its match length
+    factor: list  # per row: `_row_factor` when chosen
+    draft_in: tuple = (0, 0)  # the drafter's (context, pending features)
+
+
 class FixedPolicy:
     """Every step drafts and verifies the configured shape (`--policy fixed`)."""
 
@@ -178,8 +198,10 @@ PROBE_MIN, PROBE_MAX = 4, 64  # steps between probes of a drafter that stopped p
 # ... and at least enough steps that a probe's extra time (the drafter, its pending features, the wider verify) is
 # at most this share of the plain decoding time since the last one; halved per probe in a row that did not pay at
 # this batch size, so where drafting never pays probing fades out (measured before: a probe at 16 rows, pending
-# features and verify included, took 647 ms against ~110 ms for a plain step; 5 % of such steps cost 20 %).
-PROBE_BUDGET = 0.03
+# features and verify included, took 647 ms against ~110 ms for a plain step; 5 % of such steps cost 20 %). 1 %, not
+# the 3 % of session 11: there a cell where drafting never paid (MT-Bench, batch 8) still ran one probe per ~100
+# steps, ~2.5 % of its time, inside a +-5 % acceptance margin; a drafter that pays shows it through `judged`.
+PROBE_BUDGET = 0.01
 ROW_PRIOR, ROW_DECAY = 3.0, 0.9  # a row's own correction (`_row_factor`): pseudo-nodes, and the history's decay
 
 
@@ -213,7 +235,7 @@ class AdaptivePolicy:
         self.backoff = PROBE_MIN
         self.unpaid: dict[int, int] = {}  # per batch-size bucket: probes in a row that did not pay
         self.stats = PolicyStats()
-        self._plan: dict | None = None
+        self._plan: Plan | None = None
         self._no_draft_rate = 0.0
         self._draft_in = (0, 0)  # this step's drafter input: (context, pending features), for the cost model
         self._look: tuple | None = None  # this step's lookup values and their best cut (`wants_drafter`)
@@ -222,14 +244,13 @@ class AdaptivePolicy:
         rows, ctx = len(batch.seqs), max(batch.starts)
         return lambda w: self.cost.verify(rows * w, ctx + w)  # a pass w nodes wide over every row
 
-    def _lookup_values(self, props: list, matched: list, seqs: list) -> np.ndarray:
+    def _lookup_values(self, props: list, matched: list, seqs: list, factor: list) -> np.ndarray:
         k = max((len(p) for p in props), default=0)
         v = np.full((len(seqs), 1 + k), -np.inf)
         v[:, 0] = ANCHOR
         for r, (p, n, s) in enumerate(zip(props, matched, seqs)):
             if p and not s.finished:
-                v[r, 1:1 + len(p)] = np.minimum(self.acc.lookup_rate(n) ** np.arange(1, len(p) + 1)
-                                                * _row_factor(s), 1.0)
+                v[r, 1:1 + len(p)] = np.minimum(self.acc.lookup_rate(n) ** np.arange(1, len(p) + 1) * factor[r], 1.0)
         return v
 
     def wants_drafter(self, batch, props: list, matched: list) -> bool:
@@ -238,9 +259,10 @@ class AdaptivePolicy:
         time (drafter + its pending features + the wider verify) fits PROBE_BUDGET of them."""
         live = sum(not s.finished for s in batch.seqs)
         cost_of = self._cost_of(batch)
-        look = self._lookup_values(props, matched, batch.seqs)
+        factor = [_row_factor(s) for s in batch.seqs]
+        look = self._lookup_values(props, matched, batch.seqs, factor)
         cut = best_cut(look, live, cost_of, margin=MARGIN)
-        self._no_draft_rate, self._look = cut[3], (look, cut)  # `choose` reuses them if the drafter does not run
+        self._no_draft_rate, self._look = cut[3], (look, cut, factor)  # `choose` reuses them
         rows, w, base = len(batch.seqs), int(self.width), cost_of(1)
         pending = int(batch.dstate.pend_pos.numel()) if batch.dstate is not None else rows
         self._draft_in = (max(batch.starts), pending)
@@ -272,11 +294,12 @@ class AdaptivePolicy:
         m = draft.tokens.shape[1]
         vals = torch.full((b, W), -math.inf, device=dev)
         p = torch.zeros((b, W), device=dev)
-        factor = torch.tensor([_row_factor(s) for s in batch.seqs], device=dev)
+        factor = looked[2] if looked else [_row_factor(s) for s in batch.seqs]
         if m:
             p[:, 1:1 + m] = draft.logp.float().exp()
-            vals[:, 1:1 + m] = (self.acc.drafter_values(p[:, 1:1 + m]) * factor[:, None]).clamp(max=1.0)
-        look = self._lookup_values(props, matched, batch.seqs)
+            vals[:, 1:1 + m] = (self.acc.drafter_values(p[:, 1:1 + m])
+                                * torch.tensor(factor, device=dev)[:, None]).clamp(max=1.0)
+        look = looked[0] if looked else self._lookup_values(props, matched, batch.seqs, factor)
         vals[:, 1 + m:] = torch.as_tensor(look[:, 1:], dtype=torch.float32).to(dev)
         vals[:, 0] = ANCHOR
         live_rows = torch.tensor([not s.finished for s in batch.seqs], device=dev)
@@ -295,9 +318,8 @@ class AdaptivePolicy:
         if drafted:
             self._learn_drafting(gain / max(live, 1), width, rate > self._no_draft_rate, b)
         kept = [np.flatnonzero(k) for k in keep]
-        self._plan = dict(kept=kept, p=host[1], own=host[3], m=m, width=width, drafted=drafted, rows=b,
-                          ctx=max(batch.starts), props=props, matched=matched, live=live, draft_in=self._draft_in,
-                          factor=factor.tolist())
+        self._plan = Plan(kept, host[3], host[1], m, width, drafted, b, max(batch.starts), live, props, matched,
+                          factor, self._draft_in)
         self._draft_in = (0, 0)
         return prune(tree, torch.from_numpy(keep).to(dev), width, depth)
 
@@ -310,17 +332,17 @@ class AdaptivePolicy:
 
         b, W = tree.tokens.shape
         live = sum(not s.finished for s in batch.seqs)
-        look, cut = looked or (None, None)
+        look, cut, factor = looked or (None, None, None)
         if look is None:  # the drafter was not asked (no drafter, or the lookup alone was enough)
-            look = self._lookup_values(props, matched, batch.seqs)
+            factor = [_row_factor(s) for s in batch.seqs]
+            look = self._lookup_values(props, matched, batch.seqs, factor)
             cut = best_cut(look, live, self._cost_of(batch), 0.0, MARGIN)
         look = np.concatenate([look, np.full((b, W - look.shape[1]), -np.inf)], 1) if look.shape[1] < W else look
         keep = look >= cut[0]
         keep[:, 0] = True
         width = cut[1]
-        self._plan = dict(kept=[np.flatnonzero(k) for k in keep], p=None, own=look, m=0, width=width, drafted=False,
-                          rows=b, ctx=max(batch.starts), props=props, matched=matched, live=live, draft_in=(0, 0),
-                          factor=[_row_factor(s) for s in batch.seqs])
+        self._plan = Plan([np.flatnonzero(k) for k in keep], look, None, 0, width, False, b, max(batch.starts), live,
+                          props, matched, factor)
         self._draft_in = (0, 0)
         if width == 1 and W == 1:
             return tree
@@ -344,13 +366,13 @@ class AdaptivePolicy:
         plan, self._plan = self._plan, None
         if plan is None:
             return
-        self.cost.observe(plan["rows"] * plan["width"], plan["ctx"] + plan["width"],
-                          plan["rows"] if plan["drafted"] else 0, ms, *plan["draft_in"])
+        self.cost.observe(plan.rows * plan.width, plan.ctx + plan.width,
+                          plan.rows if plan.drafted else 0, ms, *plan.draft_in)
         st = self.stats
         st.steps += 1
-        st.drafter_steps += plan["drafted"]
-        st.width += plan["width"]
-        st.rows += plan["live"]
+        st.drafter_steps += plan.drafted
+        st.width += plan.width
+        st.rows += plan.live
         ps, ok = [], []
         for r, row in enumerate(host):
             if row is None:
@@ -358,20 +380,20 @@ class AdaptivePolicy:
             a = int(row[span])
             path = set(row[span + 1: span + 2 + a])
             st.committed += a + 1
-            st.nodes += len(plan["kept"][r]) - 1
+            st.nodes += len(plan.kept[r]) - 1
             seq, raw, hit = batch.seqs[r], 0.0, 0
-            for j, old in enumerate(plan["kept"][r]):
+            for j, old in enumerate(plan.kept[r]):
                 if old:
-                    self.acc.observe_prediction(float(plan["own"][r, old]), j in path)
-                    raw += float(plan["own"][r, old]) / plan["factor"][r]  # the table's own prediction
+                    self.acc.observe_prediction(float(plan.own[r, old]), j in path)
+                    raw += float(plan.own[r, old]) / plan.factor[r]  # the table's own prediction
                     hit += j in path
-                if 1 <= old <= plan["m"]:
-                    ps.append(float(plan["p"][r, old]))
+                if 1 <= old <= plan.m:
+                    ps.append(float(plan.p[r, old]))
                     ok.append(j in path)
             if raw:
                 seq.draft_pred = ROW_DECAY * seq.draft_pred + raw
                 seq.draft_hit = ROW_DECAY * seq.draft_hit + hit
-            if plan["props"][r]:
-                self.acc.observe_lookup(plan["matched"][r], plan["props"][r], row[:a + 1])
+            if plan.props[r]:
+                self.acc.observe_lookup(plan.matched[r], plan.props[r], row[:a + 1])
         if ps:
             self.acc.observe_drafter(ps, ok)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .cache import PositionCache
@@ -191,7 +192,7 @@ class LookupProposer:
     def propose(self, seqs: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int], list]:
         """-> (branch [b, k] right-padded, its valid length per row [b], each row's matched suffix length, each
         row's proposal as a host list). k is the longest proposal: the branch is never wider than it must be."""
-        props = [self.suggest(s.prompt + s.generated) if self.params.enabled and not s.finished else ([], 0)
+        props = [self.suggest(s.history()) if self.params.enabled and not s.finished else ([], 0)
                  for s in seqs]
         k = max((len(p) for p, _ in props), default=0)
         branch = torch.zeros((len(seqs), k), dtype=torch.long)
@@ -200,7 +201,7 @@ class LookupProposer:
         lengths = torch.tensor([len(p) for p, _ in props], device=device)
         return branch.to(device), lengths, [n for _, n in props], [p for p, _ in props]
 
-    def suggest(self, tokens: list[int]) -> tuple[list[int], int]:
+    def suggest(self, tokens: np.ndarray) -> tuple[list[int], int]:
         """One row's (proposal, matched suffix length) for its committed tokens (tests override it with oracles)."""
         return propose(tokens, self.params)
 
