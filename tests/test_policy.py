@@ -74,6 +74,23 @@ def test_cost_model_interpolates_extrapolates_and_learns():
     assert frozen.verify(8, 0) == 1.0
 
 
+def test_the_cost_of_a_wide_pass_is_learned_per_batch_size():
+    """Wide steps that cost twice their predicted width (per-row work outside the forward) raise the price of width
+    at that batch size only; plain steps leave it alone."""
+    c = CostModel([10.0 * n for n in VERIFY_GRID], 0.0, [5.0, 8.0, 20.0])
+    one, two = c.pass_ms(16, 1, 100), c.pass_ms(16, 2, 100)
+    assert one == pytest.approx(160.0) and two == pytest.approx(320.0)
+    for _ in range(60):
+        c.observe_pass(16, 2, 100, 0, one + 2 * (two - one))
+        c.observe_pass(16, 1, 100, 0, one)  # plain steps as predicted
+    assert c.pass_ms(16, 2, 100) == pytest.approx(one + 2 * (two - one), rel=0.05)
+    assert c.pass_ms(16, 1, 100) == pytest.approx(one, rel=0.02)
+    assert c.pass_ms(4, 2, 100) == pytest.approx(80.0)  # another batch size: unchanged
+    for _ in range(200):  # a wildly slow wide step now and then cannot run the factor away
+        c.observe_pass(4, 3, 100, 0, 1e6)
+    assert c.pass_ms(4, 3, 100) <= 40.0 + 4.0 * 80.0
+
+
 def test_acceptance_calibrates_toward_what_verification_observed():
     acc = Acceptance()
     p = torch.tensor([[0.92]])

@@ -242,7 +242,7 @@ class AdaptivePolicy:
 
     def _cost_of(self, batch):
         rows, ctx = len(batch.seqs), max(batch.starts)
-        return lambda w: self.cost.verify(rows * w, ctx + w)  # a pass w nodes wide over every row
+        return lambda w: self.cost.pass_ms(rows, w, ctx)  # a pass w nodes wide over every row
 
     def _lookup_values(self, props: list, matched: list, seqs: list, factor: list) -> np.ndarray:
         k = max((len(p) for p in props), default=0)
@@ -366,8 +366,7 @@ class AdaptivePolicy:
         plan, self._plan = self._plan, None
         if plan is None:
             return
-        self.cost.observe(plan.rows * plan.width, plan.ctx + plan.width,
-                          plan.rows if plan.drafted else 0, ms, *plan.draft_in)
+        self.cost.observe_pass(plan.rows, plan.width, plan.ctx, plan.rows if plan.drafted else 0, ms, *plan.draft_in)
         st = self.stats
         st.steps += 1
         st.drafter_steps += plan.drafted
