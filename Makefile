@@ -20,8 +20,12 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/dflashkit generate --prompt "$(PROMPT)" --compare --stream
 
+# Two test workers (pytest-xdist): most tests wait on Python, subprocesses and sockets rather than on the cores, and
+# one worker took ~33 min in CI (2 cores). Each worker runs torch on one thread (tests/conftest.py).
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 bench-core: $(STAMP)
 	$(PY) bench/core.py

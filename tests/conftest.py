@@ -1,5 +1,7 @@
 """Tiny random targets of three architectures (Llama, Qwen3, Gemma3) and drafters for them."""
 
+import os
+
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config)
@@ -8,6 +10,12 @@ from dflashkit import DFlashConfig, DFlashDrafter, Target
 from dflashkit.backends.lean import LeanTarget
 
 VOCAB = 96
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two workers on a 2-core machine: two OpenMP pools of two threads each would spin against each
+    # other. One thread per worker, and for the subprocesses (CLI, torchrun, servers) the tests start.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def tiny_config(arch: str):

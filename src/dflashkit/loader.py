@@ -99,9 +99,17 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         manifest = {"source": str(gguf), "source_sha256": _file_digest(gguf),
                     "probe_logits_sha256": hashlib.sha256(ref.numpy().tobytes()).hexdigest()}
         (tmp / "dflashkit-conversion.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        if out.exists():
+        # Why another process's finished copy is kept, not replaced: two processes started at once (two servers, a
+        # parallel test run) both convert; the first one's copy may be loading in that process right now.
+        if (out / "dflashkit-conversion.json").is_file():
+            return out
+        if out.exists():  # a copy without its manifest: an interrupted conversion of an older version
             shutil.rmtree(out)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / "dflashkit-conversion.json").is_file():  # not a finished copy of another process
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
