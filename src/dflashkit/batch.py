@@ -75,10 +75,9 @@ class SeqState:
         and rebuilding it from the lists cost more than the lookup itself on long prompts."""
         n, p = len(self.prompt) + len(self.generated), len(self.prompt)
         buf, have = self._history, self._history_len
-        if buf is None or have > n or have < p:  # first use, or the generated tokens were cut (a stop string)
-            buf, have = np.empty(max(2 * n, 64), dtype=np.int64), 0
+        if buf is None or have > n:  # first use, or the generated tokens were cut (a stop string)
+            buf, have = np.empty(max(2 * n, 64), dtype=np.int64), p
             buf[:p] = self.prompt
-            have = p
         if n > buf.size:
             buf = np.concatenate([buf[:have], np.empty(n + max(n, 64), dtype=np.int64)])
         buf[have:n] = self.generated[have - p:]

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from .step_cost import CostModel
+from .step_cost import CostModel, batch_bucket
 
 # The time a cut costs beyond the AR step counts this much more when cuts are compared: the cost and acceptance
 # models are estimates, and a guess may only risk time where the predicted win is clear. Measured: at 1.05 the
@@ -205,10 +205,6 @@ PROBE_BUDGET = 0.01
 ROW_PRIOR, ROW_DECAY = 3.0, 0.9  # a row's own correction (`_row_factor`): pseudo-nodes, and the history's decay
 
 
-def _bucket(rows: int) -> int:
-    return max(rows, 1).bit_length()  # 1, 2-3, 4-7, 8-15, 16-31, ...
-
-
 def _row_factor(seq) -> float:
     """A row's observed / predicted acceptance of its verified draft nodes (decayed history, shrunk to 1 by
     ROW_PRIOR pseudo-nodes), at most 1: it only shrinks. Why: the calibration table is global, but how predictable a
@@ -275,7 +271,7 @@ class AdaptivePolicy:
         # yet. Later ones wait for the budget: what drafting earns per row is known then and carries over to other
         # batch sizes through `judged` (measured: an unconditional first probe per batch size cost 5-10 % of a
         # 32-token cell where drafting never paid).
-        k = _bucket(rows)
+        k = batch_bucket(rows)
         if self.skipped + 1 >= self.backoff and (
                 not self.drafted_once
                 or (self.skipped + 1) * base * PROBE_BUDGET / 2 ** self.unpaid.get(k, 0) >= extra):
@@ -318,8 +314,9 @@ class AdaptivePolicy:
         if drafted:
             self._learn_drafting(gain / max(live, 1), width, rate > self._no_draft_rate, b)
         kept = [np.flatnonzero(k) for k in keep]
-        self._plan = Plan(kept, host[3], host[1], m, width, drafted, b, max(batch.starts), live, props, matched,
-                          factor, self._draft_in)
+        self._plan = Plan(kept=kept, own=host[3], p=host[1], m=m, width=width, drafted=drafted, rows=b,
+                          ctx=max(batch.starts), live=live, props=props, matched=matched, factor=factor,
+                          draft_in=self._draft_in)
         self._draft_in = (0, 0)
         return prune(tree, torch.from_numpy(keep).to(dev), width, depth)
 
@@ -341,8 +338,8 @@ class AdaptivePolicy:
         keep = look >= cut[0]
         keep[:, 0] = True
         width = cut[1]
-        self._plan = Plan([np.flatnonzero(k) for k in keep], look, None, 0, width, False, b, max(batch.starts), live,
-                          props, matched, factor)
+        self._plan = Plan(kept=[np.flatnonzero(k) for k in keep], own=look, p=None, m=0, width=width, drafted=False,
+                          rows=b, ctx=max(batch.starts), live=live, props=props, matched=matched, factor=factor)
         self._draft_in = (0, 0)
         if width == 1 and W == 1:
             return tree
@@ -356,7 +353,7 @@ class AdaptivePolicy:
         self.drafted_once = True
         self.skipped = 0
         self.backoff = PROBE_MIN if paid else min(2 * self.backoff, PROBE_MAX)
-        k = _bucket(rows)
+        k = batch_bucket(rows)
         self.unpaid[k] = 0 if paid else min(self.unpaid.get(k, 0) + 1, 6)
 
     def observe(self, batch, host: list, span: int, ms: float) -> None:

@@ -24,6 +24,11 @@ DRAFT_GRID = (1, 4, 16)  # batch rows of the drafter's forward timed by `calibra
 DRAFT_CTX = 64  # ... at this context length (a context term and the pending features' cost are timed apart)
 
 
+def batch_bucket(rows: int) -> int:
+    """A batch size's bucket for what is learned per batch size: 1, 2-3, 4-7, 8-15, 16-31, ..."""
+    return max(rows, 1).bit_length()
+
+
 def _interp(grid: tuple, ys: list[float], x: float) -> float:
     """Piecewise-linear through (grid, ys); the last segment's slope beyond the ends."""
     i = min(max(int(np.searchsorted(grid, x)) - 1, 0), len(grid) - 2)
@@ -48,7 +53,7 @@ class CostModel:
 
     scale: float = 1.0  # learned: measured / calibrated, for the target pass (all widths alike) ...
     draft_scale: float = 1.0  # ... and for the drafter
-    # learned, per batch-size bucket (rows.bit_length()): measured / predicted cost of a pass's nodes beyond the first
+    # learned, per batch-size bucket (`batch_bucket`): measured / predicted cost of a pass's nodes beyond the first
     # per row (`pass_ms`, `observe_pass`)
     wide: dict = field(default_factory=dict)
 
@@ -62,7 +67,7 @@ class CostModel:
         one = self.verify(rows, ctx + 1)
         if width <= 1:
             return one
-        return one + self.wide.get(rows.bit_length(), 1.0) * (self.verify(rows * width, ctx + width) - one)
+        return one + self.wide.get(batch_bucket(rows), 1.0) * (self.verify(rows * width, ctx + width) - one)
 
     def draft(self, rows: int, ctx: int = 0, pending: int = 0) -> float:
         """The drafter's step for `rows` rows at context `ctx` with `pending` features (all rows) to ingest first.
@@ -81,9 +86,12 @@ class CostModel:
         busy host, per-row work outside the forward) slows wider passes alike; raising only the AR point would make
         the never-measured wide passes look cheap by comparison, and the policy would verify at a loss (measured:
         0.64x AR at batch 16 on MT-Bench). The calibrated shape is kept."""
-        if not self.learn:
-            return
-        pred = self.verify(tokens, ctx) + (self.draft(draft_rows, draft_ctx, pending) if draft_rows else 0.0)
+        if self.learn:
+            self._move_scales(self.verify(tokens, ctx), ms, draft_rows, draft_ctx, pending)
+
+    def _move_scales(self, verify: float, ms: float, draft_rows: int, draft_ctx: int, pending: int) -> None:
+        """Move the scales toward measured / predicted; verify: the predicted target pass."""
+        pred = verify + (self.draft(draft_rows, draft_ctx, pending) if draft_rows else 0.0)
         err = min(max(ms - pred, -0.5 * pred), 0.5 * pred)  # a descheduled step must not wreck the model
         step = 1 + self.rate * err / pred
         self.scale *= step
@@ -93,19 +101,21 @@ class CostModel:
     def observe_pass(self, rows: int, width: int, ctx: int, draft_rows: int, ms: float, draft_ctx: int = 0,
                      pending: int = 0) -> None:
         """A measured step of `pass_ms(rows, width, ctx)` (+ the drafter's, if it ran). A plain or drafted step
-        moves the scales (`observe`); a wide step without the drafter moves only the factor of its width beyond the
-        plain step, at its batch size. Why a factor of its own: calibrated on one row, a wide pass over many rows
+        moves the scales (`_move_scales`); a wide step without the drafter moves only the factor of its width beyond
+        the plain step, at its batch size. Why a factor of its own: calibrated on one row, a wide pass over many rows
         also pays per-row work outside the forward (tree masks, moving an accepted branch, longer commits), and
         the plain steps around it say nothing about that (measured: at batch 16 the policy verified lookup branches
         on ~20 % of steps and lost 7 % against AR, in two sessions' sweeps)."""
-        if width <= 1 or draft_rows or not self.learn:
-            self.observe(rows * width, ctx + width, draft_rows, ms, draft_ctx, pending)
+        if not self.learn:
+            return
+        if width <= 1 or draft_rows:  # predicted as the policy priced it: the width factor included
+            self._move_scales(self.pass_ms(rows, width, ctx), ms, draft_rows, draft_ctx, pending)
             return
         one = self.verify(rows, ctx + 1)
         extra = max(self.pass_ms(rows, width, ctx) - one, 1e-3)
         # the error as a share of the width's own cost, at most +-1: a descheduled step must not wreck the factor
         err = min(max((ms - one - extra) / extra, -1.0), 1.0)
-        k = rows.bit_length()
+        k = batch_bucket(rows)
         self.wide[k] = min(max(self.wide.get(k, 1.0) * (1 + self.rate * err), 0.5), 4.0)
 
 
