@@ -163,7 +163,7 @@ def use_lookup_oracle(eng: DFlashEngine, t: Target, k: int) -> None:
     fake = lookup_oracle(t, k)
 
     class Oracle(eng.lookup_factory):
-        def suggest(self, tokens):
+        def suggest(self, tokens, index=None):
             return fake(tokens)
 
     eng.set_proposers(lookup=Oracle)

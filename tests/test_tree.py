@@ -3,12 +3,13 @@
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import make_drafter, make_target, skip_random_drafts_on_lean
 from dflashkit import DecodeConfig, DFlashEngine, DFlashError
-from dflashkit.lookup import LookupParams, propose
+from dflashkit.lookup import LookupParams, SuffixIndex, propose
 from dflashkit.tree import DraftNodes, accept, ancestors, build, chain_nodes, topk_tree, verify_mask
 from test_engine import PROMPTS, check_caches_while_decoding, reference_runs, with_oracle
 
@@ -101,6 +102,11 @@ def test_lookup_agrees_with_the_definition_on_random_sequences():
         p = LookupParams(max_tokens=rng.randint(1, 6), max_n=max_n, min_n=rng.randint(1, max_n),
                          tokens_per_n=rng.randint(0, 2))
         assert propose(ids, p) == plain(ids, p), (ids, p)
+        # The per-sequence index, fed the same sequence as it grows by steps of 1-4 tokens, answers the same.
+        index, grown = SuffixIndex(max_n), 1
+        while grown <= len(ids):
+            assert index.propose(np.asarray(ids[:grown]), p) == plain(ids[:grown], p), (ids[:grown], p)
+            grown += rng.randint(1, 4)
 
 
 def test_a_sequence_history_follows_its_commits():
@@ -112,8 +118,11 @@ def test_a_sequence_history_follows_its_commits():
     for k in range(1, 60):  # grows past the buffer's first capacity
         s.generated.extend(range(100 + k, 100 + 2 * k))
         assert s.history().tolist() == s.prompt + s.generated
+    index = s.suffixes(4)
+    assert s.suffixes(4) is index
     del s.generated[3:]  # a stop string cut the tail
     assert s.history().tolist() == s.prompt + s.generated
+    assert s.suffixes(4) is not index  # its n-grams ended at positions that no longer hold them
 
 
 def test_bad_lookup_settings_raise_clear_errors():
@@ -129,7 +138,7 @@ def with_lookup_oracle(eng, reference, keep=0.7, seed=0):
     rng = random.Random(seed)
 
     class Oracle(eng.lookup_factory):
-        def suggest(self, tokens):
+        def suggest(self, tokens, index=None):
             params = self.params
             prop, n = propose(tokens, params)
             for idx, full in reference.items():

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .errors import DFlashError
+from .lookup import SuffixIndex
 from .policy import FixedPolicy
 from .proposers import DraftView, DrafterProposer, LookupProposer
 from .sampling import Sampler, SamplingParams
@@ -69,6 +70,7 @@ class SeqState:
     draft_hit: float = 0.0
     _history: np.ndarray | None = field(default=None, repr=False)  # `history`'s buffer (capacity >= its length)
     _history_len: int = field(default=0, repr=False)
+    _suffixes: SuffixIndex | None = field(default=None, repr=False)  # the lookup's n-gram index of `history`
 
     def history(self) -> np.ndarray:
         """prompt + generated as an int64 array [T] (a view), kept incrementally: the lookup reads it every step,
@@ -78,11 +80,18 @@ class SeqState:
         if buf is None or have > n:  # first use, or the generated tokens were cut (a stop string)
             buf, have = np.empty(max(2 * n, 64), dtype=np.int64), p
             buf[:p] = self.prompt
+            self._suffixes = None  # indexes tokens that may be gone
         if n > buf.size:
             buf = np.concatenate([buf[:have], np.empty(n + max(n, 64), dtype=np.int64)])
         buf[have:n] = self.generated[have - p:]
         self._history, self._history_len = buf, n
         return buf[:n]
+
+    def suffixes(self, max_n: int) -> SuffixIndex:
+        """The lookup's index of this sequence's n-grams (made on first use; dropped when `history` is cut)."""
+        if self._suffixes is None or self._suffixes.max_n != max_n:
+            self._suffixes = SuffixIndex(max_n)
+        return self._suffixes
 
     def commit(self, tokens: list[int], eos_ids: set[int], tokenizer, logprobs: list | None = None) -> StepOutput:
         """Append tokens, cutting at EOS, max_new_tokens, or a stop string (also mid-block). `logprobs`: one entry
@@ -256,8 +265,13 @@ class DecodeBatch:
                 and pol.wants_drafter(self, props, matched)):
             draft = self.drafter.propose(self.dstate, DraftView(self.anchor, self.start, max(self.starts), self.seqs),
                                          scores=pol.adaptive)
-        return pol.choose(self, build(self.anchor, draft, branch, branch_len), draft, props, matched,
-                          draft is not None)
+        if draft is None:  # the policy cuts each row's lookup branch first: a plain step builds the anchor alone
+            keep = pol.choose_lookup(self, props, matched)
+            if keep is not None:
+                branch = branch[:, :max(keep, default=0)]
+                branch_len = torch.minimum(branch_len, torch.tensor(keep, device=branch_len.device))
+            return build(self.anchor, None, branch, branch_len)
+        return pol.choose(self, build(self.anchor, draft, branch, branch_len), draft, props, matched)
 
     def _commit(self, tree, logits: torch.Tensor, choices: torch.Tensor,
                 feats: torch.Tensor | None) -> tuple[list[StepOutput], list]:

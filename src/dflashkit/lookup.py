@@ -78,3 +78,42 @@ def propose(tokens: list[int] | np.ndarray, params: LookupParams) -> tuple[list[
     e = int(ends[best])
     k = min(params.max_tokens, params.tokens_per_n * n) if params.tokens_per_n else params.max_tokens
     return ids[e + 1:e + 1 + k].tolist(), n
+
+
+class SuffixIndex:
+    """One sequence's n-grams (n = 1..max_n) -> the latest position where each ends, kept as the sequence grows.
+
+    `propose` through it equals the function `propose` above (a test checks them on random sequences) at O(new
+    tokens) host work per step instead of a scan of the whole sequence: at batch 16 the scan cost ~1 ms per step.
+    Why equal: an n-gram's latest end is the most recent end whose match is >= n, and when no (n+1)-gram matched,
+    every such end's match is exactly n — the scan's "most recent end with the longest match". The index holds ends
+    before the anchor only (`upto`), so the anchor never matches itself. It assumes the sequence only grows: the
+    owner discards it when tokens are cut (`SeqState.history`)."""
+
+    def __init__(self, max_n: int):
+        self.max_n = max_n
+        self.ends: dict[tuple, int] = {}
+        self.upto = 0  # ends at positions < upto are indexed
+
+    def propose(self, ids: np.ndarray, params: LookupParams) -> tuple[list[int], int]:
+        """ids [T] the committed sequence (its last token is the anchor) -> (proposal, matched suffix length)."""
+        if params.max_n != self.max_n:
+            raise DFlashError(f"this index holds n-grams up to {self.max_n}, not {params.max_n}; make a new one.")
+        t = len(ids) - 1
+        if t < self.upto:  # the sequence was cut: start over (a cut that regrows is the owner's to catch)
+            self.ends, self.upto = {}, 0
+        if t < 1 or params.max_tokens == 0:
+            return [], 0
+        # Only the tail the new n-grams and the suffix need goes to Python (`o` = its offset in ids).
+        o = max(0, min(self.upto, t) - self.max_n + 1)
+        tail, ends = np.asarray(ids[o:]).tolist(), self.ends
+        for e in range(self.upto, t):  # index the ends committed since the last call (anchor excluded)
+            for n in range(1, min(self.max_n, e + 1) + 1):
+                ends[tuple(tail[e - n + 1 - o:e + 1 - o])] = e
+        self.upto = max(self.upto, t)
+        for n in range(min(params.max_n, t), params.min_n - 1, -1):
+            e = ends.get(tuple(tail[t - n + 1 - o:]))
+            if e is not None:
+                k = min(params.max_tokens, params.tokens_per_n * n) if params.tokens_per_n else params.max_tokens
+                return np.asarray(ids[e + 1:e + 1 + k]).tolist(), n
+        return [], 0

@@ -187,8 +187,11 @@ class FixedPolicy:
     def wants_drafter(self, batch, props, matched) -> bool:
         return True
 
-    def choose(self, batch, tree, draft, props, matched, drafted: bool):
+    def choose(self, batch, tree, draft, props, matched):
         return tree
+
+    def choose_lookup(self, batch, props, matched) -> list[int] | None:
+        return None  # every row verifies its whole lookup proposal
 
     def observe(self, batch, host: list, span: int, ms: float) -> None:
         pass
@@ -238,15 +241,18 @@ class AdaptivePolicy:
 
     def _cost_of(self, batch):
         rows, ctx = len(batch.seqs), max(batch.starts)
-        return lambda w: self.cost.pass_ms(rows, w, ctx)  # a pass w nodes wide over every row
+        return self.cost.pass_curve(rows, ctx)  # ms of a pass w nodes wide over every row
 
     def _lookup_values(self, props: list, matched: list, seqs: list, factor: list) -> np.ndarray:
+        """Each row's lookup nodes' expected acceptance [b, 1 + k]: rate(n)^j for its j-th copied token, times the
+        row's factor, at most 1; -inf past its proposal (and for finished rows), ANCHOR in column 0."""
         k = max((len(p) for p in props), default=0)
-        v = np.full((len(seqs), 1 + k), -np.inf)
-        v[:, 0] = ANCHOR
-        for r, (p, n, s) in enumerate(zip(props, matched, seqs)):
-            if p and not s.finished:
-                v[r, 1:1 + len(p)] = np.minimum(self.acc.lookup_rate(n) ** np.arange(1, len(p) + 1) * factor[r], 1.0)
+        lens = np.array([0 if s.finished else len(p) for p, s in zip(props, seqs)])
+        rates = np.array([self.acc.lookup_rate(n) if n else 0.0 for n in matched])
+        j = np.arange(1, k + 1)
+        vals = np.minimum(rates[:, None] ** j[None] * np.asarray(factor)[:, None], 1.0)
+        v = np.full((len(seqs), 1 + k), ANCHOR)
+        v[:, 1:] = np.where(j[None] <= lens[:, None], vals, -np.inf)
         return v
 
     def wants_drafter(self, batch, props: list, matched: list) -> bool:
@@ -260,7 +266,7 @@ class AdaptivePolicy:
         cut = best_cut(look, live, cost_of, margin=MARGIN)
         self._no_draft_rate, self._look = cut[3], (look, cut, factor)  # `choose` reuses them
         rows, w, base = len(batch.seqs), int(self.width), cost_of(1)
-        pending = int(batch.dstate.pend_pos.numel()) if batch.dstate is not None else rows
+        pending = batch.dstate.pending() if batch.dstate is not None else rows
         self._draft_in = (max(batch.starts), pending)
         extra = (self.cost.draft(rows, *self._draft_in) + cost_of(w) - base
                  + (self.width - w) * (cost_of(w + 1) - cost_of(w)))
@@ -279,14 +285,12 @@ class AdaptivePolicy:
         self.skipped += 1
         return False
 
-    def choose(self, batch, tree, draft, props: list, matched: list, drafted: bool):
-        """Keep the nodes worth their cost (`best_cut`); returns the pruned tree."""
+    def choose(self, batch, tree, draft, props: list, matched: list):
+        """A drafted step: keep the nodes worth their cost (`best_cut`); returns the pruned tree."""
         from .tree import prune
 
         dev, (b, W) = tree.tokens.device, tree.tokens.shape
         looked, self._look = self._look, None
-        if draft is None:
-            return self._choose_lookup(batch, tree, props, matched, looked)
         m = draft.tokens.shape[1]
         vals = torch.full((b, W), -math.inf, device=dev)
         p = torch.zeros((b, W), device=dev)
@@ -306,44 +310,38 @@ class AdaptivePolicy:
             vals = torch.minimum(vals, vals.gather(1, tree.parent))
         host = torch.stack([vals, p, tree.depth.float(), own]).cpu().numpy()  # the policy's one host read
         live = int(live_rows.sum())
-        sunk = self.cost.draft(b, *self._draft_in) if drafted else 0.0
+        sunk = self.cost.draft(b, *self._draft_in)
         lam, width, gain, rate, _ = best_cut(host[0], live, self._cost_of(batch), sunk, MARGIN)
         keep = host[0] >= lam
         keep[:, 0] = True  # the anchor: its verification is the step itself
         depth = int(host[2][keep].max())
-        if drafted:
-            self._learn_drafting(gain / max(live, 1), width, rate > self._no_draft_rate, b)
+        self._learn_drafting(gain / max(live, 1), width, rate > self._no_draft_rate, b)
         kept = [np.flatnonzero(k) for k in keep]
-        self._plan = Plan(kept=kept, own=host[3], p=host[1], m=m, width=width, drafted=drafted, rows=b,
+        self._plan = Plan(kept=kept, own=host[3], p=host[1], m=m, width=width, drafted=True, rows=b,
                           ctx=max(batch.starts), live=live, props=props, matched=matched, factor=factor,
                           draft_in=self._draft_in)
         self._draft_in = (0, 0)
         return prune(tree, torch.from_numpy(keep).to(dev), width, depth)
 
-    def _choose_lookup(self, batch, tree, props: list, matched: list, looked):
-        """`choose` without a drafter proposal, on the host: the tree is the anchor plus each row's lookup branch
-        (node j = the j-th copied token, whose value rate^j is already prefix-closed). Why a path of its own: it
-        runs on most steps where speculation does not pay, and the tensor work of the general path cost ~3 % of a
-        plain step (measured at batch 16)."""
-        from .tree import prune
-
-        b, W = tree.tokens.shape
+    def choose_lookup(self, batch, props: list, matched: list) -> list[int]:
+        """A step without the drafter: how many of its lookup tokens each row verifies (its j-th copied token is
+        worth rate^j, already prefix-closed, so a row keeps a prefix). Decided on the host BEFORE the tree is built,
+        so a plain step builds the anchor alone: this path runs on most steps where speculation does not pay, and
+        building then pruning the whole branch cost ~1 ms a step at batch 16."""
+        b = len(batch.seqs)
         live = sum(not s.finished for s in batch.seqs)
+        looked, self._look = self._look, None
         look, cut, factor = looked or (None, None, None)
         if look is None:  # the drafter was not asked (no drafter, or the lookup alone was enough)
             factor = [_row_factor(s) for s in batch.seqs]
             look = self._lookup_values(props, matched, batch.seqs, factor)
             cut = best_cut(look, live, self._cost_of(batch), 0.0, MARGIN)
-        look = np.concatenate([look, np.full((b, W - look.shape[1]), -np.inf)], 1) if look.shape[1] < W else look
         keep = look >= cut[0]
         keep[:, 0] = True
-        width = cut[1]
-        self._plan = Plan(kept=[np.flatnonzero(k) for k in keep], own=look, p=None, m=0, width=width, drafted=False,
+        self._plan = Plan(kept=[np.flatnonzero(k) for k in keep], own=look, p=None, m=0, width=cut[1], drafted=False,
                           rows=b, ctx=max(batch.starts), live=live, props=props, matched=matched, factor=factor)
         self._draft_in = (0, 0)
-        if width == 1 and W == 1:
-            return tree
-        return prune(tree, torch.from_numpy(keep).to(tree.tokens.device), width, width - 1)
+        return (keep.sum(1) - 1).tolist()
 
     def _learn_drafting(self, gain: float, width: int, paid: bool, rows: int) -> None:
         """A drafted step's best cut (expected accepted per live row, width) and whether it beat not drafting."""

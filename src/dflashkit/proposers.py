@@ -18,7 +18,7 @@ import torch
 from .cache import PositionCache
 from .drafter import DFlashDrafter
 from .errors import DFlashError
-from .lookup import LookupParams, propose
+from .lookup import LookupParams, SuffixIndex, propose
 from .tree import DraftNodes, chain_nodes, topk_tree
 
 
@@ -52,18 +52,45 @@ def frequent_ids(drafter: DFlashDrafter, n: int) -> torch.Tensor:
     return torch.tensor(sorted(ranking[:n]), dtype=torch.long)
 
 
-@dataclass
 class DraftState:
     """The drafter's per-batch state, row-aligned with the batch: its K/V cache of context features, and the
     target features committed since it last ran, not ingested yet (`pend_*`, one width R for all rows).
 
     Why pending features may pile up: a step that skips the drafter does not pay for writing them; the next
     drafter forward ingests them all at once. Every entry is a committed token's feature AT ITS OWN position (a
-    row's shorter list is padded by repeating its last entry), so the order of the writes cannot matter."""
+    row's shorter list is padded by repeating its last entry), so the order of the writes cannot matter. They are
+    kept as one chunk per step and joined when read: joining on every append copied the whole pile per skipped step
+    (quadratic in the steps between drafter runs)."""
 
-    cache: PositionCache
-    pend_feats: torch.Tensor  # [b, R, k*H]
-    pend_pos: torch.Tensor  # [b, R] their positions
+    def __init__(self, cache: PositionCache, pend_feats: torch.Tensor, pend_pos: torch.Tensor):
+        self.cache = cache
+        self._feats, self._pos = [pend_feats], [pend_pos]  # chunks [b, R_i, k*H] and their positions [b, R_i]
+
+    @property
+    def pend_feats(self) -> torch.Tensor:  # [b, R, k*H]
+        self._join()
+        return self._feats[0]
+
+    @pend_feats.setter
+    def pend_feats(self, value: torch.Tensor) -> None:
+        self._feats = [value]
+
+    @property
+    def pend_pos(self) -> torch.Tensor:  # [b, R] their positions
+        self._join()
+        return self._pos[0]
+
+    @pend_pos.setter
+    def pend_pos(self, value: torch.Tensor) -> None:
+        self._pos = [value]
+
+    def pending(self) -> int:
+        """How many features are pending in all rows (no copy)."""
+        return sum(p.numel() for p in self._pos)
+
+    def _join(self) -> None:
+        if len(self._feats) > 1:
+            self._feats, self._pos = [torch.cat(self._feats, 1)], [torch.cat(self._pos, 1)]
 
     def select(self, rows: torch.Tensor) -> None:
         self.cache.select(rows)
@@ -77,8 +104,8 @@ class DraftState:
 
     def append(self, feats: torch.Tensor, pos: torch.Tensor) -> None:
         """Add one step's committed features [b, R', k*H] at positions [b, R'] to what is pending."""
-        self.pend_feats = torch.cat([self.pend_feats, feats], 1)
-        self.pend_pos = torch.cat([self.pend_pos, pos], 1)
+        self._feats.append(feats)
+        self._pos.append(pos)
 
 
 def _pad_last(feats: torch.Tensor, pos: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,18 +219,20 @@ class LookupProposer:
     def propose(self, seqs: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int], list]:
         """-> (branch [b, k] right-padded, its valid length per row [b], each row's matched suffix length, each
         row's proposal as a host list). k is the longest proposal: the branch is never wider than it must be."""
-        props = [self.suggest(s.history()) if self.params.enabled and not s.finished else ([], 0)
+        on = self.params.enabled
+        props = [self.suggest(s.history(), s.suffixes(self.params.max_n)) if on and not s.finished else ([], 0)
                  for s in seqs]
         k = max((len(p) for p, _ in props), default=0)
-        branch = torch.zeros((len(seqs), k), dtype=torch.long)
+        branch = np.zeros((len(seqs), k), dtype=np.int64)
         for i, (p, _) in enumerate(props):
-            branch[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+            branch[i, :len(p)] = p
         lengths = torch.tensor([len(p) for p, _ in props], device=device)
-        return branch.to(device), lengths, [n for _, n in props], [p for p, _ in props]
+        return torch.from_numpy(branch).to(device), lengths, [n for _, n in props], [p for p, _ in props]
 
-    def suggest(self, tokens: np.ndarray) -> tuple[list[int], int]:
-        """One row's (proposal, matched suffix length) for its committed tokens (tests override it with oracles)."""
-        return propose(tokens, self.params)
+    def suggest(self, tokens: np.ndarray, index: SuffixIndex | None = None) -> tuple[list[int], int]:
+        """One row's (proposal, matched suffix length) for its committed tokens, through the row's n-gram index
+        when given (tests override it with oracles)."""
+        return index.propose(tokens, self.params) if index is not None else propose(tokens, self.params)
 
     def skips_drafter(self, matched: list[int], seqs: list) -> bool:
         """Every live row matched a suffix of at least `skip_drafter_n` tokens: verify the branch alone."""

@@ -6,13 +6,13 @@ seconds (`calibrate`, cached in ~/.cache/dflashkit/cost.json under `cost_key`), 
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
 import torch
 
 from .measurements import lookup, machine_key, store
@@ -31,7 +31,7 @@ def batch_bucket(rows: int) -> int:
 
 def _interp(grid: tuple, ys: list[float], x: float) -> float:
     """Piecewise-linear through (grid, ys); the last segment's slope beyond the ends."""
-    i = min(max(int(np.searchsorted(grid, x)) - 1, 0), len(grid) - 2)
+    i = min(max(bisect.bisect_left(grid, x) - 1, 0), len(grid) - 2)  # bisect: the policy calls this ~25x a step
     x0, x1 = grid[i], grid[i + 1]
     return ys[i] + (ys[i + 1] - ys[i]) * (x - x0) / (x1 - x0)
 
@@ -64,10 +64,20 @@ class CostModel:
     def pass_ms(self, rows: int, width: int, ctx: int) -> float:
         """A verify pass of `width` nodes in each of `rows` rows whose anchors sit at position `ctx`: the plain step
         (`rows` tokens) plus the width beyond it, the latter times what wide passes at this batch size measured."""
-        one = self.verify(rows, ctx + 1)
-        if width <= 1:
-            return one
-        return one + self.wide.get(batch_bucket(rows), 1.0) * (self.verify(rows * width, ctx + width) - one)
+        return self.pass_curve(rows, ctx)(width)
+
+    def pass_curve(self, rows: int, ctx: int):
+        """`pass_ms` for these rows and context as a function of the width, memoised: the policy prices many widths
+        per step (a closure of one step; the model moves between steps)."""
+        one, factor, memo = self.verify(rows, ctx + 1), self.wide.get(batch_bucket(rows), 1.0), {}
+
+        def cost_of(width: int) -> float:
+            if width <= 1:
+                return one
+            if width not in memo:
+                memo[width] = one + factor * (self.verify(rows * width, ctx + width) - one)
+            return memo[width]
+        return cost_of
 
     def draft(self, rows: int, ctx: int = 0, pending: int = 0) -> float:
         """The drafter's step for `rows` rows at context `ctx` with `pending` features (all rows) to ingest first.

@@ -123,6 +123,9 @@ def build(anchor: torch.Tensor, draft: DraftNodes | None, branch: torch.Tensor, 
     b, k = branch.shape
     dev = anchor.device
     zero = torch.zeros(b, 1, dtype=torch.long, device=dev)
+    if draft is None and k == 0:  # a plain step (most steps where speculation does not pay): the anchor alone
+        return DraftTree(tokens=anchor[:, None], parent=zero, depth=zero,
+                         alive=torch.ones(b, 1, dtype=torch.bool, device=dev), max_depth=0)
     draft = draft or DraftNodes(branch[:, :0], branch[:, :0], branch[:, :0], 0)
     d_tok, d_par, d_dep, dmax = draft.tokens, draft.parent, draft.depth, draft.max_depth
     m = d_tok.shape[1]
@@ -188,6 +191,8 @@ def verify_mask(tree: DraftTree, start: torch.Tensor, kv_len: int) -> torch.Tens
     other branches) stays invisible."""
     b, W = tree.tokens.shape
     slots = torch.arange(kv_len, device=start.device)
+    if W == 1:  # the anchor alone: its own slot is start
+        return (slots[None, :] <= start[:, None])[:, None, None, :]
     mask = (slots[None, :] < start[:, None])[:, None, :].expand(b, W, kv_len).clone()
     idx = (start[:, None] + torch.arange(W, device=start.device))[:, None, :].expand(b, W, W)
     mask.scatter_(2, idx, ancestors(tree))
@@ -199,6 +204,9 @@ def accept(tree: DraftTree, choices: torch.Tensor) -> tuple[torch.Tensor, torch.
 
     Returns (accepted depth a [b], path [b, D+1] node index at each depth 0..D, D = max_depth). Entries of
     `path` beyond a repeat the accepted node. The committed tokens are choices.gather(1, path)[:, :a+1]."""
+    if tree.tokens.shape[1] == 1:  # the anchor alone: nothing to accept but the target's own token
+        zero = torch.zeros(choices.shape[0], dtype=torch.long, device=choices.device)
+        return zero, zero[:, None]
     ok = tree.alive & (tree.tokens == choices.gather(1, tree.parent))
     ok[:, 0] = True
     on_path = ok.clone()
