@@ -4,7 +4,8 @@
 
 Why interleaved: on a shared 2-core host the same command ran 40 % slower five minutes later (AR at batch 1:
 63 s, then 90 s, in one `dflashkit bench` run), which swamps a 5 % question. Here every chunk of prompts is
-decoded by all three methods back to back, in a rotating order, so drift hits them alike. Why decode throughput
+decoded by all three methods in lockstep (one step of each in turn, rotating who goes first), so drift hits them
+alike; back-to-back chunks were not enough (`run_lockstep`). Why decode throughput
 (generated tokens after the first / time after the prefill): the prefill is the same work for every method and on
 a CPU without bf16 units it dominates (4 HumanEval prompts: ~13 s of prefill, ~2 s of decoding 32 tokens) and
 varies by +-1 s, which would hide the decoding entirely; the total with prefill is kept in the JSON. Reported per
@@ -32,19 +33,32 @@ METHODS = {"ar": DecodeConfig.autoregressive(), "fixed": DecodeConfig.recommende
            "adaptive": DecodeConfig.recommended()}
 
 
-def run_chunk(engine, prompts, config, max_new) -> tuple[int, float, float, list[int]]:
-    """(tokens, decode seconds, total seconds, accepted lengths): decode = after the prefill's first tokens."""
-    t0 = time.perf_counter()
-    toks, acc, t_first = 0, [], None
-    for step in engine.stream(prompts, max_new_tokens=max_new, config=config):
-        if t_first is None:  # the first yield: every prompt prefilled and its first token sampled
-            t_first, first = time.perf_counter(), sum(len(o.tokens) for o in step)
-        for o in step:
-            toks += len(o.tokens)
-            if o.finished:
-                acc += o.stats.accepted
-    end = time.perf_counter()
-    return toks - first, end - t_first, end - t0, acc
+def run_lockstep(engine, prompts, names: list[str], max_new: int) -> dict:
+    """Every method decodes the same prompts IN LOCKSTEP: one step of each in turn (prefills first), each timed on
+    its own. -> per method [tokens after the first, decode seconds, total seconds, accepted lengths].
+
+    Why lockstep: this host's speed drifts +-10 % over seconds (the same AR chunk ran 2.17 s, then 2.51 s), so even
+    back-to-back chunks differed by as much as the 5 % in question; steps taken in turn see the same drift. Decode =
+    the steps after the first yield (every prompt prefilled and its first token sampled)."""
+    gens = {m: engine.stream(prompts, max_new_tokens=max_new, config=METHODS[m]) for m in names}
+    res = {m: [0, 0.0, 0.0, []] for m in names}
+    started = set()
+    while gens:
+        for m in list(gens):
+            t0 = time.perf_counter()
+            step = next(gens[m], None)
+            dt = time.perf_counter() - t0
+            if step is None:
+                del gens[m]
+                continue
+            r = res[m]
+            r[2] += dt
+            if m in started:
+                r[0] += sum(len(o.tokens) for o in step)
+                r[1] += dt
+            started.add(m)
+            r[3] += [a for o in step if o.finished for a in o.stats.accepted]
+    return res
 
 
 def sweep(engine, prompts, sizes, max_new, desc, base: int, min_chunks: int) -> dict:
@@ -61,8 +75,7 @@ def sweep(engine, prompts, sizes, max_new, desc, base: int, min_chunks: int) -> 
             names = list(METHODS)
             names = names[k % 3:] + names[:k % 3]  # rotate who goes first
             rate = {}
-            for m in names:
-                toks, dec, total, acc = run_chunk(engine, chunk, METHODS[m], max_new)
+            for m, (toks, dec, total, acc) in run_lockstep(engine, chunk, names, max_new).items():
                 tot[m][0] += toks
                 tot[m][1] += dec
                 tot[m][2] += total
@@ -90,7 +103,7 @@ def report(meta: dict, res: dict, out: Path) -> str:
           f"{meta['prompts']} prompts per dataset (batch n: at least n x {meta.get('min_chunks', 1)}), "
           f"{meta['max_new_tokens']} new tokens, greedy, {meta['dtype']}, "
           f"{meta['threads']} threads, backend {meta['backend']} (exactness: {meta['exactness']}). Each chunk of "
-          "prompts is decoded by all three methods back to back (rotating order); tokens/s = decode throughput "
+          "prompts is decoded by all three methods in lockstep (one step of each in turn); tokens/s = decode throughput "
           "(generated tokens after the first / time after the prefill). "
           "fixed = the tree + lookup every step (`--policy fixed`), adaptive = the default (`--policy adaptive`).",
           ""]
