@@ -1,4 +1,5 @@
-"""Where a decoding step's time goes: target verify, LM head, drafter (+ tree building), commit, the rest (Python).
+"""Where a decoding step's time goes: target verify, LM head, the drafter, the host's drafting work (lookup, step
+policy, tree building), commit, and the rest (Python glue: sampling, stream bookkeeping).
 
 Decodes a few prompts alone with AR, the plain chain and the default system (tree + lookup) and times every call of
 the step's parts (wall clock, the process otherwise quiet). Writes profile.json, profile.md and profile.png.
@@ -19,8 +20,10 @@ from dflashkit import DecodeConfig, DFlashEngine
 from dflashkit.batch import DecodeBatch
 from dflashkit.bench.datasets import load_dataset
 from dflashkit.loader import encode_chat, load_models
+from dflashkit.proposers import DrafterProposer
 
-PARTS = ["target forward", "lm heads", "propose", "commit", "other"]  # propose = drafter + lookup + tree building
+# "lookup+policy+tree" = `_propose` without the drafter's forward (its own part, nested inside, counted once)
+PARTS = ["target forward", "lm heads", "drafter", "lookup+policy+tree", "commit", "other"]
 
 
 class Clock:
@@ -57,7 +60,8 @@ def profile(target, drafter, tok, config, prompts, n) -> dict:
     eng.generate([prompts[0]], max_new_tokens=8)  # warm-up
     clock.wrap(target, "forward", "target forward")
     clock.wrap(target, "logits", "lm heads")
-    clock.wrap(DecodeBatch, "_propose", "propose")
+    clock.wrap(DecodeBatch, "_propose", "lookup+policy+tree")
+    clock.wrap(DrafterProposer, "propose", "drafter")
     clock.wrap(DecodeBatch, "_commit", "commit")
     steps = tokens = 0
     wall, spent = 0.0, defaultdict(float)
@@ -86,20 +90,21 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--quant", default=None, help="int4: the GGUF's own Q4_1 codes (the lean backend)")
     ap.add_argument("--out", default="bench/results/step-profile")
     args = ap.parse_args()
-    target, tok, drafter, _ = load_models(dtype=args.dtype, backend=args.backend)
+    target, tok, drafter, _ = load_models(dtype=args.dtype, backend=args.backend, quant=args.quant)
     prompts = [encode_chat(tok, t[0]) for t in load_dataset("humaneval", args.prompts)]
     configs = {"ar": DecodeConfig.autoregressive(), "chain": DecodeConfig(), "default": DecodeConfig.recommended()}
     rows = {name: profile(target, drafter, tok, c, prompts, args.max_new_tokens) for name, c in configs.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"backend": getattr(target, "engine_name", type(target).__name__), "dtype": args.dtype,
-            "prompts": args.prompts,
-            "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}
+            "quant": args.quant, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+            "command": " ".join(sys.argv)}
     (out / "profile.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"ms per step ({meta['backend']}, {args.dtype}, {args.prompts} HumanEval prompts decoded alone, "
-             f"{args.max_new_tokens} tokens)", "", "| config | " + " | ".join(PARTS) + " | tokens/step | tok/s |",
+             f"{args.max_new_tokens} tokens; `{meta['command']}`)", "", "| config | " + " | ".join(PARTS) + " | tokens/step | tok/s |",
              "|---" * (len(PARTS) + 3) + "|"]
     for name, r in rows.items():
         lines.append(f"| {name} | " + " | ".join(f"{r['ms_per_step'][k]:.1f}" for k in PARTS)
