@@ -1,7 +1,8 @@
 """Linear kernels and target steps on the real target, side by side in one run: torch's bf16 `F.linear`, our
 row-invariant `rowlinear` kernel on the same bf16 weights, and on the GGUF's own Q4_1 codes (`--quant int4`);
 then the whole target step (forward + LM head) of HF eager, lean, lean + rowlinear, + the fused attention
-(kernels/attention.cpp), and the int4 target at 1 / 4 / 16 / 32 tokens (one-token decoding and verify blocks).
+(kernels/attention.cpp), and the int4 targets (fp32 products; 8-bit activations with integer dot products,
+kernels/qlinear.cpp) at 1 / 4 / 16 / 32 tokens (one-token decoding and verify blocks).
 
     .venv/bin/python bench/kernel_bench.py --out bench/results/kernels
 
@@ -26,7 +27,7 @@ from dflashkit.kernels import RowLinear
 from dflashkit.loader import apply_kernels, load_target, resolve_target_dir
 
 ROWS = [1, 4, 16, 32]
-VARIANTS = ["hf", "lean", "lean+rowlinear", "lean+rowlinear+attend", "lean+int4+attend"]
+VARIANTS = ["hf", "lean", "lean+rowlinear", "lean+rowlinear+attend", "lean+int4+attend", "lean+int4-a8+attend"]
 
 
 def timed(fn, reps: int) -> float:
@@ -42,9 +43,11 @@ def linear_table(targets: dict, repeats: int) -> dict:
     lean = targets["lean"]
     shapes = {"gate/up [3072 x 576]": {"torch": lean._layers[0].wgu,
                                        "rowlinear": targets["lean+rowlinear"]._layers[0].wgu,
-                                       "int4": targets["lean+int4+attend"]._layers[0].wgu},
+                                       "int4": targets["lean+int4+attend"]._layers[0].wgu,
+                                       "int4-a8": targets["lean+int4-a8+attend"]._layers[0].wgu},
               "head [49152 x 576]": {"torch": lean.lm_head_weight, "rowlinear": targets["lean+rowlinear"].head,
-                                     "int4 (q8_0)": targets["lean+int4+attend"].head}}
+                                     "int4 (q8_0)": targets["lean+int4+attend"].head,
+                                     "int4-a8 (q8_0)": targets["lean+int4-a8+attend"].head}}
     out = {}
     for shape, ws in shapes.items():
         for m in ROWS:
@@ -93,7 +96,7 @@ def main() -> int:
     for name in VARIANTS:
         t, tok = load_target(None, dtype="bfloat16", backend="hf" if name == "hf" else "lean", kernel="torch")
         if "int4" in name:  # (apply_kernels also turns the fused attention on)
-            apply_kernels(t, resolve_target_dir(None), "rowlinear", "int4")
+            apply_kernels(t, resolve_target_dir(None), "rowlinear", "int4-a8" if "a8" in name else "int4")
         elif "rowlinear" in name:
             t.use_rowlinear()
         if "attend" in name:
@@ -115,7 +118,8 @@ def report(meta: dict, res: dict, out: Path) -> str:
     md = [f"# Linear kernels and target steps (`{meta['command']}`)", "",
           f"{meta['threads']} threads, torch CPU capability {meta['cpu_capability']}, medians of {meta['repeats']} "
           "interleaved rounds. ms per call.", "", "## One linear", "",
-          "| shape, rows | " + " | ".join(next(iter(res["linears_ms"].values()))) + " |", "|---|---|---|---|"]
+          "| shape, rows | " + " | ".join(next(iter(res["linears_ms"].values()))) + " |",
+          "|---" * (1 + len(next(iter(res["linears_ms"].values())))) + "|"]
     md += [f"| {k} | " + " | ".join(f"{v:.3f}" for v in row.values()) + " |" for k, row in res["linears_ms"].items()]
     engines = list(next(iter(res["target_step_ms"].values())))
     md += ["", f"## Target step: forward + LM head, {meta['prompt_tokens']}-token prompt in the cache", "",

@@ -36,21 +36,62 @@ def test_ggml_blocks_dequantise_as_the_gguf_library_does(kind):
     assert torch.allclose(lin(x, out_fp32=True), x @ ref.T, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["bf16", "q4_1", "q8_0", "q4_1-a8", "q8_0-a8"])
 @pytest.mark.parametrize("n_out,k", [(7, 32), (130, 64), (49, 608)])
 def test_rows_are_bit_identical_whatever_the_row_count(kind, n_out, k):
     """The property exactness rests on: y[m] has the same bits computed alone, in any block, at any offset."""
     torch.manual_seed(n_out + k)
     w = torch.randn(n_out, k)
-    lin = RowLinear.from_bf16(w.bfloat16()) if kind == "bf16" else _ggml(kind, w)[0]
+    lin = RowLinear.from_bf16(w.bfloat16()) if kind == "bf16" else _ggml(kind.removesuffix("-a8"), w)[0]
+    lin = lin.with_int8_acts() if kind.endswith("-a8") else lin
     x = torch.randn(37, k).bfloat16()
     full = lin(x)
     assert full.dtype == torch.bfloat16 and full.shape == (37, n_out)
     ref = x.float() @ lin.dequantize().T
-    assert torch.allclose(full.float(), ref, rtol=2e-2, atol=2e-2)
+    # 8-bit activations round each input to ~1/254 of its block's range: error ~1-2 % of the output's scale
+    atol = 0.02 * float(ref.abs().max()) if lin.int8_acts else 2e-2
+    assert torch.allclose(full.float(), ref, rtol=2e-2, atol=atol)
     for m in (1, 2, 3, 4, 5, 8, 16, 17, 33):
         for start in (0, 37 - m):
             assert torch.equal(lin(x[start:start + m]), full[start:start + m]), (m, start)
+
+
+def _int8_definition(lin: RowLinear, x: torch.Tensor) -> torch.Tensor:
+    """qlinear.cpp's layer written plainly, in float64 past the rounding of x: each token's 32-blocks rounded to
+    int8 with d = max|x| / 127 (x * (1 / d), half to even), the integer dot with the weight codes, then the scales."""
+    n, k = lin.shape
+    xb = x.float().view(x.shape[0], k // 32, 32)
+    d = xb.abs().amax(-1) / 127.0  # fp32, as the kernel
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None])  # [M, nb, 32]
+    if lin.kind == "q4_1":
+        b = lin.codes.view(n, k // 32, 16)
+        wq = torch.cat([b & 0x0F, b >> 4], dim=-1).double()  # [N, nb, 32]
+    else:
+        wq = lin.codes.view(n, k // 32, 32).double()
+    isum = torch.einsum("mbj,nbj->mnb", q.double(), wq)
+    y = (isum * lin.scale.view(n, -1).double()[None] * d.double()[:, None]).sum(-1)
+    if lin.kind == "q4_1":
+        s = (d * q.sum(-1)).double()  # fp32 product in the kernel; exact enough for the tolerance below
+        y = y + (lin.minimum.view(n, -1).double()[None] * s[:, None]).sum(-1)
+    return y
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_int8_activations_compute_their_definition(kind):
+    torch.manual_seed(3)
+    w = torch.randn(70, 192)
+    lin = _ggml(kind, w)[0].with_int8_acts()
+    x = torch.randn(9, 192) * torch.linspace(0.1, 3, 192)
+    x[2, :32] = 0  # an all-zero block: d = 0, its products 0
+    got = lin(x, out_fp32=True).double()
+    ref = _int8_definition(lin, x)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-4), (got - ref).abs().max()
+    # and the same layer as the fp32-product kernel, up to the activations' 8-bit rounding
+    fp = _ggml(kind, w)[0](x, out_fp32=True)
+    assert torch.allclose(got.float(), fp, rtol=0.02, atol=0.02 * float(fp.abs().max()))
+    with pytest.raises(ValueError, match="8-bit activations"):
+        RowLinear.from_bf16(w.bfloat16()).with_int8_acts()
 
 
 def test_bad_shapes_are_refused():
@@ -85,6 +126,32 @@ def test_lean_with_rowlinear_speculative_greedy_output_is_ar():
     prompts = [[5, 9, 11, 3], [7, 7, 1, 30, 31, 2, 8]]
     ar = eng.generate(prompts, max_new_tokens=40, config=DecodeConfig.autoregressive())
     assert [g.tokens for g in eng.generate(prompts, max_new_tokens=40)] == [g.tokens for g in ar]
+
+
+def _to_int4_a8(t) -> None:
+    """A tiny lean target's linears as Q4_1 codes (head Q8_0) on 8-bit activations, as `--quant int4-a8` runs a
+    GGUF's own codes (a tiny model has no GGUF: its bf16 weights are quantised by the gguf library here)."""
+    t.use_rowlinear()
+    q = (lambda kind, lin: _ggml(kind, lin.dequantize())[0].with_int8_acts())
+    for layer in t._layers:
+        for name in ("wqkv", "wgu", "wo", "wdown"):
+            setattr(layer, name, q("q4_1", getattr(layer, name)))
+    t.head = q("q8_0", t.head)
+    t.kernel = "int4-a8"
+
+
+@pytest.mark.parametrize("n,prompt,seed", [(8, 29, 1), (16, 40, 2)])
+def test_int8_activation_target_is_bitwise_batch_invariant_and_speculation_is_ar(arch, n, prompt, seed):
+    t = make_target(arch, torch.bfloat16, backend="lean")
+    _to_int4_a8(t)
+    t.use_fused_attention()
+    inv = measure(t, n=n, prompt=prompt, seed=seed)
+    assert inv.exact and inv.max_diff == 0.0, inv
+    eng = DFlashEngine(t, make_drafter(t, block_size=8), eos_token_ids=[],
+                       config=DecodeConfig(tree=12, policy="fixed"))
+    prompts = [[5, 9, 11, 3], [7, 7, 1, 30, 31, 2, 8]]
+    ar = eng.generate(prompts, max_new_tokens=24, config=DecodeConfig.autoregressive())
+    assert [g.tokens for g in eng.generate(prompts, max_new_tokens=24)] == [g.tokens for g in ar]
 
 
 def test_kernel_flags_are_checked(tmp_path):

@@ -42,9 +42,11 @@ def _add_target_flags(p: argparse.ArgumentParser, drafter: bool = True) -> None:
                         "C++ linears and attention (AVX2; compiled once with g++; fast at any row count on CPUs "
                         "without bf16 units); auto = rowlinear for bf16 on such CPUs, else torch (default: "
                         "%(default)s)")
-    p.add_argument("--quant", default="none", choices=["none", "int4"],
+    p.add_argument("--quant", default="none", choices=["none", "int4", "int4-a8"],
                    help="int4 = run a Q4_1 GGUF target on its own 4-bit codes with the rowlinear kernel (a different "
-                        "target from its bf16 dequantisation, exact against its own AR) (default: %(default)s)")
+                        "target from its bf16 dequantisation, exact against its own AR); int4-a8 = the same codes "
+                        "with each token's activations rounded to 8 bits and integer dot products, as llama.cpp "
+                        "computes (another target again) (default: %(default)s)")
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:

@@ -181,7 +181,7 @@ def check_exactness(target, target_dir: Path):
 
 
 KERNELS = ("auto", "torch", "rowlinear")
-QUANTS = ("none", "int4")
+QUANTS = ("none", "int4", "int4-a8")  # int4-a8: the same codes, 8-bit activations (integer dot products)
 
 
 def _check_kernels(backend: str, kernel: str, quant: str | None) -> None:
@@ -227,14 +227,14 @@ def apply_kernels(target, target_dir: Path, kernel: str = "auto", quant: str | N
     if not isinstance(target, LeanTarget):
         raise DFlashError(f"--kernel/--quant need the lean backend, which does not implement "
                           f"{target.architecture}; drop them.")
-    if quant == "int4":
+    if quant in ("int4", "int4-a8"):
         from .backends.quant import attach_gguf_codes
 
         manifest = target_dir / "dflashkit-conversion.json"
         if not manifest.is_file():
             raise DFlashError(f"--quant int4 reads a GGUF's own 4-bit codes; {target_dir} is not a GGUF target. "
                               "Give --target FILE.gguf (Q4_1), or drop --quant.")
-        attach_gguf_codes(target, json.loads(manifest.read_text())["source"])
+        attach_gguf_codes(target, json.loads(manifest.read_text())["source"], int8_acts=quant == "int4-a8")
     elif kernel == "rowlinear":
         target.use_rowlinear()
     # Our kernels come together: the attention too is one row-invariant C++ call per layer (bench/results/kernels:

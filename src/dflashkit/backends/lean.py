@@ -145,7 +145,8 @@ class LeanTarget(HFTarget):
         self.norm = self.decoder.norm
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_len = 0
-        self.kernel = "torch"  # which linear kernels run: "torch" (F.linear), "rowlinear" (ours), "int4" (ours)
+        # which linear kernels run: "torch" (F.linear), "rowlinear", "int4", "int4-a8" (ours)
+        self.kernel = "torch"
         self.head: RowLinear | None = None  # the LM head under our kernel (None: F.linear on lm_head_weight)
         self.fused_attention = False  # attention as one C++ call per layer (kernels/attention.cpp)
 

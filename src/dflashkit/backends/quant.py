@@ -37,8 +37,9 @@ def _close(lin: RowLinear, w: torch.Tensor) -> bool:
     return torch.allclose(lin.dequantize(), w.float(), rtol=2 ** -7, atol=1e-6)
 
 
-def attach_gguf_codes(target, gguf_path: str | Path) -> None:
-    """Replace `target`'s (a LeanTarget loaded from `gguf_path`) linears and head with the file's own codes."""
+def attach_gguf_codes(target, gguf_path: str | Path, int8_acts: bool = False) -> None:
+    """Replace `target`'s (a LeanTarget loaded from `gguf_path`) linears and head with the file's own codes;
+    int8_acts: apply them to 8-bit activations with integer dot products (`--quant int4-a8`, kernels/qlinear.cpp)."""
     import gguf
 
     if not available():
@@ -60,7 +61,7 @@ def attach_gguf_codes(target, gguf_path: str | Path) -> None:
         if not _close(lin, hf_weight):
             raise DFlashError(f"{name} in {gguf_path} does not dequantise to the weights loaded from it; the file's "
                               "layout is not one this loader knows. Drop --quant.")
-        return lin
+        return lin.with_int8_acts() if int8_acts else lin
 
     nh, nkv = target.num_heads, target.num_kv_heads
     for i, (layer, hf) in enumerate(zip(target._layers, target.layers)):
@@ -73,6 +74,6 @@ def attach_gguf_codes(target, gguf_path: str | Path) -> None:
         layer.wdown = get("down", m.down_proj.weight)
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     target.head = codes(head, target.lm_head_weight)
-    target.kernel = "int4"
+    target.kernel = "int4-a8" if int8_acts else "int4"
     log.info("int4 target: %d layers of %s codes from %s, head %s", len(target._layers),
              tensors["blk.0.attn_q.weight"].tensor_type.name, Path(gguf_path).name, tensors[head].tensor_type.name)

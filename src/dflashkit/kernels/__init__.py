@@ -1,7 +1,8 @@
 """Our own CPU kernels: `RowLinear`, a linear layer whose output rows do not depend on how many rows are
-computed, and `attend`, the lean target's attention in one row-invariant call per layer.
+computed (fp32 products, or for 4/8-bit weights optionally 8-bit activations and integer dot products), and
+`attend`, the lean target's attention in one row-invariant call per layer.
 
-The C++ sources (module.cpp, rowlinear.cpp, attention.cpp; simd.h holds the helpers both kernels share) are
+The C++ sources (module.cpp, rowlinear.cpp, qlinear.cpp, attention.cpp; simd.h holds the helpers both kernels share) are
 compiled once per torch version with torch's extension builder (g++ and the `ninja` package) into
 ~/.cache/dflashkit/kernels and loaded from there afterwards.
 Where they cannot be built (no compiler, no AVX2/FMA, not x86-64), `available()` says why and callers keep torch's
@@ -22,7 +23,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("module.cpp", "rowlinear.cpp", "attention.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("module.cpp", "rowlinear.cpp", "qlinear.cpp", "attention.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 KINDS = {"bf16": 0, "q4_1": 1, "q8_0": 2}
 _state: dict = {}
@@ -98,9 +99,14 @@ class RowLinear:
     with `out_fp32=True`). Every output row is computed the same way whatever M is (rowlinear.cpp)."""
 
     def __init__(self, kind: str, codes: torch.Tensor, n_out: int, in_features: int,
-                 scale: torch.Tensor | None = None, minimum: torch.Tensor | None = None):
+                 scale: torch.Tensor | None = None, minimum: torch.Tensor | None = None, int8_acts: bool = False):
         if kind not in KINDS:
             raise ValueError(f"unknown weight kind {kind!r}; one of {', '.join(KINDS)}")
+        if int8_acts and kind == "bf16":
+            raise ValueError("8-bit activations need 4/8-bit weights (q4_1, q8_0), not bf16")
+        # int8_acts: each token's row rounded to int8 per 32-block, integer dot products (qlinear.cpp) - the way
+        # llama.cpp computes; a different (coarser) layer than the fp32-product one, row-invariant too.
+        self.int8_acts = int8_acts
         if in_features % 32:
             raise ValueError(f"in_features must be a multiple of 32 (got {in_features})")
         self.kind, self.codes, self.n_out, self.in_features = kind, codes.contiguous(), n_out, in_features
@@ -136,14 +142,24 @@ class RowLinear:
         if len({(p.kind, p.in_features) for p in parts}) != 1:
             raise ValueError("RowLinear.cat needs layers of one kind and one input width")
         opt = (lambda ts: torch.cat(ts) if ts[0].numel() else None)
+        if len({p.int8_acts for p in parts}) != 1:
+            raise ValueError("RowLinear.cat needs layers that all use (or all skip) 8-bit activations")
         return RowLinear(parts[0].kind, torch.cat([p.codes for p in parts]), sum(p.n_out for p in parts),
-                         parts[0].in_features, opt([p.scale for p in parts]), opt([p.minimum for p in parts]))
+                         parts[0].in_features, opt([p.scale for p in parts]), opt([p.minimum for p in parts]),
+                         parts[0].int8_acts)
 
     def select_rows(self, index: torch.Tensor) -> "RowLinear":
         """The layer restricted to output rows `index` (e.g. undoing a row permutation)."""
         pick = (lambda t: t.reshape(self.n_out, -1)[index] if t.numel() else t)
         return RowLinear(self.kind, pick(self.codes), len(index), self.in_features, pick(self.scale) if
-                         self.scale.numel() else None, pick(self.minimum) if self.minimum.numel() else None)
+                         self.scale.numel() else None, pick(self.minimum) if self.minimum.numel() else None,
+                         self.int8_acts)
+
+    def with_int8_acts(self) -> "RowLinear":
+        """The same weights applied to 8-bit activations with integer dot products (`qlinear.cpp`)."""
+        return RowLinear(self.kind, self.codes, self.n_out, self.in_features,
+                         self.scale if self.scale.numel() else None, self.minimum if self.minimum.numel() else None,
+                         True)
 
     def dequantize(self) -> torch.Tensor:
         """The weights as fp32 [N, K], computed in torch (for checks and for the reference model)."""
@@ -161,7 +177,8 @@ class RowLinear:
         mod = load()
         if mod is None:
             raise RuntimeError(f"row-invariant kernels unavailable: {why_unavailable()}")
-        return mod.rowlinear(x, self.codes, self.scale, self.minimum, KINDS[self.kind], self.n_out, not out_fp32)
+        fn = mod.qlinear if self.int8_acts else mod.rowlinear
+        return fn(x, self.codes, self.scale, self.minimum, KINDS[self.kind], self.n_out, not out_fp32)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, head: torch.Tensor, tail: torch.Tensor,

@@ -3,10 +3,13 @@
 
 torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
                         int64_t n_out, bool out_bf16);
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
+                      int64_t n_out, bool out_bf16);
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor head, torch::Tensor tail,
                      double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("rowlinear", &rowlinear, "y = x @ W^T, every row computed alike whatever the row count (rowlinear.cpp)");
+  mod.def("qlinear", &qlinear, "y = q8(x) . W^T for Q4_1 / Q8_0 weights, integer dot products, row-invariant");
   mod.def("attend", &attend, "the lean target's attention, row-invariant (attention.cpp)");
 }
