@@ -27,8 +27,9 @@
 
 namespace {
 
-using dflashkit::bf16_round;
 using dflashkit::hsum8;
+using dflashkit::round_to_bf16;
+using dflashkit::store_tile;
 
 constexpr int64_t NR = 4;  // weight rows per tile: 2 tokens x 4 rows = 8 accumulators, weights unpacked once per pair
 
@@ -158,22 +159,9 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
       int64_t n[NR];
       for (int r = 0; r < NR; ++r) n[r] = n0 + std::min<int64_t>(r, rows - 1);  // past the matrix: recompute, drop
       int64_t i = 0;
-      for (; i + 2 <= M; i += 2) {
-        tile<2>(W, n, X, i, out);
-        std::memcpy(yp + i * N + n0, out[0], rows * sizeof(float));
-        std::memcpy(yp + (i + 1) * N + n0, out[1], rows * sizeof(float));
-      }
-      if (i < M) {
-        tile<1>(W, n, X, i, out);
-        std::memcpy(yp + i * N + n0, out[0], rows * sizeof(float));
-      }
+      for (; i + 2 <= M; i += 2) tile<2>(W, n, X, i, out), store_tile<NR>(yp, N, i, n0, rows, out, 2);
+      if (i < M) tile<1>(W, n, X, i, out), store_tile<NR>(yp, N, i, n0, rows, out, 1);
     }
   });
-  if (!out_bf16) return yf;
-  torch::Tensor yb = torch::empty({M, N}, x.options().dtype(torch::kBFloat16));
-  uint16_t* bp = reinterpret_cast<uint16_t*>(yb.data_ptr());
-  at::parallel_for(0, M * N, 4096, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) bp[i] = bf16_round(yp[i]);
-  });
-  return yb;
+  return out_bf16 ? round_to_bf16(yf) : yf;
 }

@@ -26,9 +26,10 @@
 
 namespace {
 
-using dflashkit::bf16_round;
 using dflashkit::bf16x8;
 using dflashkit::hsum8;
+using dflashkit::round_to_bf16;
+using dflashkit::store_tile;
 
 constexpr int64_t TILE = 6;  // weight rows per tile; 2 tokens x 6 rows = 12 accumulators in 16 AVX2 registers
 constexpr int64_t FUSED_MAX_ROWS = 4;  // up to this many tokens, decode weights on the fly; more: through a buffer
@@ -132,15 +133,9 @@ torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, t
       const int64_t n0 = t * TILE, rows = std::min(TILE, N - n0);
       if (M <= FUSED_MAX_ROWS && rows == TILE) {
         int64_t i = 0;
-        for (; i + 2 <= M; i += 2) {
-          fused_tile<2>(W, n0, xp + i * K, K, out);
-          std::memcpy(yp + i * N + n0, out[0], TILE * sizeof(float));
-          std::memcpy(yp + (i + 1) * N + n0, out[1], TILE * sizeof(float));
-        }
-        if (i < M) {
-          fused_tile<1>(W, n0, xp + i * K, K, out);
-          std::memcpy(yp + i * N + n0, out[0], TILE * sizeof(float));
-        }
+        for (; i + 2 <= M; i += 2)
+          fused_tile<2>(W, n0, xp + i * K, K, out), store_tile<TILE>(yp, N, i, n0, TILE, out, 2);
+        if (i < M) fused_tile<1>(W, n0, xp + i * K, K, out), store_tile<TILE>(yp, N, i, n0, TILE, out, 1);
         continue;
       }
       // More tokens: decode the tile once into buf (rows past the matrix as zeros) and reuse it for all of them.
@@ -148,22 +143,10 @@ torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, t
         for (int64_t k = 0; k < K; k += 8)
           _mm256_storeu_ps(buf.data() + r * K + k, r < rows ? load8(W, n0 + r, k) : _mm256_setzero_ps());
       int64_t i = 0;
-      for (; i + 2 <= M; i += 2) {
-        buffered_tile<2>(buf.data(), K, xp + i * K, K, out);
-        std::memcpy(yp + i * N + n0, out[0], rows * sizeof(float));
-        std::memcpy(yp + (i + 1) * N + n0, out[1], rows * sizeof(float));
-      }
-      if (i < M) {
-        buffered_tile<1>(buf.data(), K, xp + i * K, K, out);
-        std::memcpy(yp + i * N + n0, out[0], rows * sizeof(float));
-      }
+      for (; i + 2 <= M; i += 2)
+        buffered_tile<2>(buf.data(), K, xp + i * K, K, out), store_tile<TILE>(yp, N, i, n0, rows, out, 2);
+      if (i < M) buffered_tile<1>(buf.data(), K, xp + i * K, K, out), store_tile<TILE>(yp, N, i, n0, rows, out, 1);
     }
   });
-  if (!out_bf16) return yf;
-  torch::Tensor yb = torch::empty({M, N}, x.options().dtype(torch::kBFloat16));
-  uint16_t* bp = reinterpret_cast<uint16_t*>(yb.data_ptr());
-  at::parallel_for(0, M * N, 4096, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) bp[i] = bf16_round(yp[i]);
-  });
-  return yb;
+  return out_bf16 ? round_to_bf16(yf) : yf;
 }

@@ -1,8 +1,10 @@
-// Small AVX2 helpers shared by rowlinear.cpp and attention.cpp. Both kernels must convert and sum exactly alike:
-// a bf16 value widens to the same fp32, an fp32 rounds to the same bf16 as torch's, and an 8-lane accumulator
-// reduces in one fixed order (a different reduction order would change the last bits of a logit).
+// Small AVX2 helpers shared by rowlinear.cpp, qlinear.cpp and attention.cpp. The kernels must convert and sum
+// exactly alike: a bf16 value widens to the same fp32, an fp32 rounds to the same bf16 as torch's, and an 8-lane
+// accumulator reduces in one fixed order (a different reduction order would change the last bits of a logit).
 #pragma once
 
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -31,6 +33,23 @@ inline uint16_t bf16_round(float f) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
+}
+
+// Store `count` (1 or 2) tokens' results of one weight tile, out[t][0 .. rows), at y[(i + t) * N + n0 ..].
+template <int NR>
+inline void store_tile(float* y, int64_t N, int64_t i, int64_t n0, int64_t rows, const float (*out)[NR], int count) {
+  for (int t = 0; t < count; ++t) std::memcpy(y + (i + t) * N + n0, out[t], rows * sizeof(float));
+}
+
+// An fp32 [M, N] result as bf16, every element rounded as `bf16_round` (no library conversion in between).
+inline torch::Tensor round_to_bf16(const torch::Tensor& yf) {
+  torch::Tensor yb = torch::empty(yf.sizes(), yf.options().dtype(torch::kBFloat16));
+  const float* yp = yf.data_ptr<float>();
+  uint16_t* bp = reinterpret_cast<uint16_t*>(yb.data_ptr());
+  at::parallel_for(0, yf.numel(), 4096, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) bp[i] = bf16_round(yp[i]);
+  });
+  return yb;
 }
 
 }  // namespace dflashkit
