@@ -290,16 +290,15 @@ class AdaptivePolicy:
         from .tree import prune
 
         dev, (b, W) = tree.tokens.device, tree.tokens.shape
-        looked, self._look = self._look, None
+        # the drafter ran because `wants_drafter` asked for it, which priced this step's lookup branch
+        (look, _, factor), self._look = self._look, None
         m = draft.tokens.shape[1]
         vals = torch.full((b, W), -math.inf, device=dev)
         p = torch.zeros((b, W), device=dev)
-        factor = looked[2] if looked else [_row_factor(s) for s in batch.seqs]
         if m:
             p[:, 1:1 + m] = draft.logp.float().exp()
             vals[:, 1:1 + m] = (self.acc.drafter_values(p[:, 1:1 + m])
                                 * torch.tensor(factor, device=dev)[:, None]).clamp(max=1.0)
-        look = looked[0] if looked else self._lookup_values(props, matched, batch.seqs, factor)
         vals[:, 1 + m:] = torch.as_tensor(look[:, 1:], dtype=torch.float32).to(dev)
         vals[:, 0] = ANCHOR
         live_rows = torch.tensor([not s.finished for s in batch.seqs], device=dev)

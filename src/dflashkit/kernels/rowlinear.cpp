@@ -19,7 +19,6 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "simd.h"
