@@ -204,19 +204,20 @@ def test_cli_generate_streams_and_compares_with_ar():
     assert "Paris" in out.stdout.split("[stats]")[0]  # the streamed answer came before the statistics
 
 
-def test_cli_generate_int4_target_compares_with_its_own_ar():
-    """`--quant int4` through the CLI a user types: the GGUF's own 4-bit codes, and DFlash output identical to the
-    int4 target's own AR output (its baseline), judged bitwise."""
+@pytest.mark.parametrize("quant", ["int4", "int4-a8"])
+def test_cli_generate_int4_target_compares_with_its_own_ar(quant):
+    """`--quant int4` / `int4-a8` through the CLI a user types: the GGUF's own 4-bit codes (int4-a8: on 8-bit
+    activations), and DFlash output identical to that target's own AR output (its baseline), judged bitwise."""
     from dflashkit.kernels import available, why_unavailable
 
     if not available():
         pytest.skip(f"our kernels are unavailable here: {why_unavailable()}")
     cmd = [sys.executable, "-m", "dflashkit.cli", "generate", "--prompt", PROMPTS[1], "--max-new-tokens", "16",
-           "--quant", "int4", "--compare"]
+           "--quant", quant, "--compare"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "identical output: True" in out.stdout, out.stdout
-    line = r"exactness on this machine \(LeanTarget\+int4[+a-z]*, bfloat16\): bitwise"
+    line = rf"exactness on this machine \(LeanTarget\+{re.escape(quant)}[+a-z]*, bfloat16\): bitwise"
     assert re.search(line, out.stdout), out.stdout
 
 
