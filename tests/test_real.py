@@ -93,7 +93,7 @@ def test_bf16_speculative_output_is_bitwise_autoregressive_on_the_real_target(ca
     """bfloat16, the default dtype: the measured self-check says the lean kernels are batch-invariant here, and
     the chain and the default tree + lookup give exactly AR's tokens (no near-tie allowance). Under torch's
     F.linear, our rowlinear kernel, and the 4-bit target (the GGUF's own Q4_1 codes, exact against its own AR)."""
-    from dflashkit.invariance import measure
+    from dflashkit.invariance import linear_row_change, measure
     from dflashkit.kernels import available, why_unavailable
 
     if (kernel == "rowlinear" or quant) and not available():
@@ -101,6 +101,10 @@ def test_bf16_speculative_output_is_bitwise_autoregressive_on_the_real_target(ca
     target, tok = load_target(dtype="bfloat16", kernel=kernel, quant=quant)
     assert target.kernel == (quant or kernel)
     inv = measure(target)
+    if kernel == "torch" and not inv.exact:  # torch's F.linear is row-invariant on some CPUs only
+        cause = linear_row_change(target.linear_weights())
+        assert cause, f"not batch-invariant although torch's F.linear is row-invariant here: {inv}"
+        pytest.skip(f"{cause} on this CPU (our kernels are tested below)")
     assert inv.exact, f"the lean kernels are not batch-invariant on this machine: {inv}"
     drafter, _ = load_default_drafter(target, tok)
     prompts = [encode_chat(tok, p) for p in PROMPTS]

@@ -38,10 +38,10 @@ def _add_target_flags(p: argparse.ArgumentParser, drafter: bool = True) -> None:
                         "output in bf16; Llama, Qwen3, Gemma 3), hf = transformers' modules; auto = lean where it "
                         "applies (default: %(default)s)")
     p.add_argument("--kernel", default="auto", choices=["auto", "torch", "rowlinear"],
-                   help="lean kernels: torch = F.linear + tensor-op attention; rowlinear = dflashkit's row-invariant "
-                        "C++ linears and attention (AVX2; compiled once with g++; fast at any row count on CPUs "
-                        "without bf16 units); auto = rowlinear for bf16 on such CPUs, else torch (default: "
-                        "%(default)s)")
+                   help="lean kernels: torch = F.linear + tensor-op attention (row-invariant on some CPUs only: the "
+                        "self-check says); rowlinear = dflashkit's row-invariant C++ linears and attention (AVX2; "
+                        "compiled once with g++); auto = rowlinear for bf16 on a CPU where it builds, else torch "
+                        "(default: %(default)s)")
     p.add_argument("--quant", default="none", choices=["none", "int4", "int4-a8"],
                    help="int4 = run a Q4_1 GGUF target on its own 4-bit codes with the rowlinear kernel (a different "
                         "target from its bf16 dequantisation, exact against its own AR); int4-a8 = the same codes "
@@ -100,7 +100,9 @@ def exactness_label(target) -> str:
 
     if mode(target) == "bitwise":
         return "bitwise (verified logits equal one-token logits on this machine: any difference is a bug)"
-    return "near-tie rule (this backend/dtype is not batch-invariant here: outputs may part at rounding ties)"
+    cause = getattr(target, "invariance_cause", "")
+    return ("near-tie rule (this backend/dtype is not batch-invariant here: outputs may part at rounding ties"
+            + (f"; {cause})" if cause else ")"))
 
 
 def load_target_and_drafter(args):

@@ -14,6 +14,7 @@ import os
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .measurements import lookup, machine_key, store
 
@@ -25,14 +26,44 @@ class Invariance:
     block: bool  # a chain block's logits == one-token decoding's
     tree: bool  # a tree path's logits (scattered slots, decoys) == one-token decoding's
     max_diff: float  # the largest |difference| seen (0.0 when invariant)
+    cause: str = ""  # what was found not row-invariant, when known (`linear_row_change`)
 
     @property
     def exact(self) -> bool:
         return self.block and self.tree
 
     def label(self) -> str:
-        return ("bitwise (batch-invariant kernels: verified logits equal one-token logits)" if self.exact else
-                f"near-tie rule (kernels are not batch-invariant here, max logit difference {self.max_diff:.3g})")
+        if self.exact:
+            return "bitwise (batch-invariant kernels: verified logits equal one-token logits)"
+        why = f"; {self.cause}" if self.cause else ""
+        return f"near-tie rule (kernels are not batch-invariant here, max logit difference {self.max_diff:.3g}{why})"
+
+
+# Row counts probed: every verify width up to a 16-token block plus one, wider trees and batches, a prefill.
+ROW_COUNTS = (*range(2, 18), 24, 32, 48, 64, 128, 256)
+
+
+def linear_row_change(weights: list[torch.Tensor], rows: tuple[int, ...] = ROW_COUNTS, seed: int = 0) -> str | None:
+    """Does torch's `F.linear` give a row other bits when other rows share the call? It depends on the CPU and the
+    library: on an AVX512-BF16 EPYC, oneDNN's one-row kernel and its many-row kernels sum in different orders (the
+    576x1536 down projection of SmolLM2 differs from 2-10 rows on; a 128x32 weight only in some rows of a few
+    hundred); on the AVX2 hosts before it never did. Returns "torch's F.linear ..." naming the first weight shape
+    [N, K] and row count where a row differs from the same row computed alone, or None.
+    Why activations over a wide range of magnitudes: a different summation order changes the rounding of only a
+    few rows of ordinary data, so a probe with them can miss a kernel that does change."""
+    gen, seen, n = torch.Generator().manual_seed(seed), set(), max(rows)
+    for w in weights:
+        if tuple(w.shape) in seen:
+            continue
+        seen.add(tuple(w.shape))
+        x = torch.randn(n, w.shape[1], generator=gen) * torch.exp2(torch.randint(-8, 9, (n, w.shape[1]), generator=gen))
+        x = x.to(device=w.device, dtype=w.dtype)
+        alone = torch.cat([F.linear(x[i:i + 1], w) for i in range(n)])
+        for m in rows:
+            if not torch.equal(F.linear(x[:m], w), alone[:m]):
+                return (f"torch's F.linear gives a row other bits with {m} rows in the call ({w.shape[0]}x{w.shape[1]} "
+                        "weight); --kernel rowlinear is row-invariant")
+    return None
 
 
 def mode(target) -> str:
@@ -131,7 +162,9 @@ def check(target, identity: str, cache_file: str | os.PathLike | None = None) ->
         inv = Invariance(**stored)
     else:
         inv = measure(target)
+        if not inv.exact and getattr(target, "kernel", None) == "torch" and hasattr(target, "linear_weights"):
+            inv.cause = linear_row_change(target.linear_weights()) or ""
         store(cache_file, key, asdict(inv))
-    target.batch_invariant = inv.exact
+    target.batch_invariant, target.invariance_cause = inv.exact, inv.cause
     (log.info if inv.exact else log.warning)("greedy exactness on this machine: %s", inv.label())
     return inv

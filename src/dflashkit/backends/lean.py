@@ -181,6 +181,11 @@ class LeanTarget(HFTarget):
         self.head = RowLinear.from_bf16(self.lm_head_weight)
         self.kernel = "rowlinear"
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        """The weights F.linear multiplies under `kernel == "torch"` (the exactness self-check probes them)."""
+        ws = [w for layer in self._layers for w in (layer.wqkv, layer.wgu, layer.wo, layer.wdown)]
+        return [w for w in ws if isinstance(w, torch.Tensor)] + [self.lm_head_weight]
+
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """As `HFTarget.logits`; on our kernels also a row subset `weight` (the drafter's reduced vocabulary)."""
         if self.head is None or (weight is not None and (weight.dtype != torch.bfloat16 or weight.shape[1] % 32)):
