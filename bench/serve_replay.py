@@ -39,7 +39,7 @@ class Replay:
         self.batch = engine.new_batch(MAX_LEN, self.config)
         self.queue = [engine.sequence(i, p, max_new_tokens=max_tokens, config=self.config)
                       for i, p in enumerate(prompts)]
-        self.concurrency, self.seconds, self.done = concurrency, 0.0, []
+        self.concurrency, self.seconds, self.admit_s, self.done = concurrency, 0.0, 0.0, []
 
     def turn(self) -> bool:
         """Admit, then one step (the engine loop's iteration); False when every request is done."""
@@ -51,6 +51,7 @@ class Replay:
         if new:
             self.batch.add(new)
             self.done += new
+            self.admit_s += time.perf_counter() - t0
         if self.batch.alive:
             self.batch.step()
         self.seconds += time.perf_counter() - t0
@@ -71,7 +72,7 @@ def run(engine, prompts, concurrency: int, max_tokens: int, k: int) -> dict:
         toks = sum(len(s.generated) for s in r.done)
         acc = [a for s in r.done for a in s.stats.accepted]
         out[m] = {"tokens": toks, "seconds": round(r.seconds, 3), "throughput_tok_s": round(toks / r.seconds, 2),
-                  "tau": round(sum(a + 1 for a in acc) / max(len(acc), 1), 3)}
+                  "tau": round(sum(a + 1 for a in acc) / max(len(acc), 1), 3), "admit_s": round(r.admit_s, 3)}
     out["default_vs_best"] = round(out["default"]["throughput_tok_s"]
                                    / max(out["ar"]["throughput_tok_s"], out["default-fixed"]["throughput_tok_s"]), 4)
     return out

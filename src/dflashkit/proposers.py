@@ -57,14 +57,27 @@ class DraftState:
     target features committed since it last ran, not ingested yet (`pend_*`, one width R for all rows).
 
     Why pending features may pile up: a step that skips the drafter does not pay for writing them; the next
-    drafter forward ingests them all at once. Every entry is a committed token's feature AT ITS OWN position (a
-    row's shorter list is padded by repeating its last entry), so the order of the writes cannot matter. They are
-    kept as one chunk per step and joined when read: joining on every append copied the whole pile per skipped step
+    drafter forward ingests them all at once. A joining prompt's features start out pending too, and the cache is
+    allocated only when the drafter first runs: under continuous batching a row the policy never drafts for costs
+    the drafter nothing (measured: its prompt prefill and cache copies in every join and compaction cost the
+    default a few % against AR). Every entry is a committed token's feature AT ITS OWN position (a row's shorter
+    list is padded by repeating its last entry), so the order of the writes cannot matter. They are kept as one
+    chunk per step and joined when read: joining on every append copied the whole pile per skipped step
     (quadratic in the steps between drafter runs)."""
 
-    def __init__(self, cache: PositionCache, pend_feats: torch.Tensor, pend_pos: torch.Tensor):
-        self.cache = cache
+    def __init__(self, new_cache, pend_feats: torch.Tensor, pend_pos: torch.Tensor):
+        self._new_cache = new_cache  # rows -> an empty PositionCache for that many rows
+        self.cache: PositionCache | None = None  # allocated by `ensure_cache` (the drafter's first run)
         self._feats, self._pos = [pend_feats], [pend_pos]  # chunks [b, R_i, k*H] and their positions [b, R_i]
+
+    @property
+    def rows(self) -> int:
+        return self._pos[0].shape[0]
+
+    def ensure_cache(self) -> PositionCache:
+        if self.cache is None:
+            self.cache = self._new_cache(self.rows)
+        return self.cache
 
     @property
     def pend_feats(self) -> torch.Tensor:  # [b, R, k*H]
@@ -93,11 +106,13 @@ class DraftState:
             self._feats, self._pos = [torch.cat(self._feats, 1)], [torch.cat(self._pos, 1)]
 
     def select(self, rows: torch.Tensor) -> None:
-        self.cache.select(rows)
+        if self.cache is not None:
+            self.cache.select(rows)
         self.pend_feats, self.pend_pos = self.pend_feats[rows], self.pend_pos[rows]
 
     def extend(self, other: "DraftState") -> None:
-        self.cache.extend(other.cache)
+        if self.cache is not None or other.cache is not None:  # one side has run: both need a cache to join
+            self.ensure_cache().extend(other.ensure_cache())
         R = max(self.pend_pos.shape[1], other.pend_pos.shape[1])
         a, b = _pad_last(self.pend_feats, self.pend_pos, R), _pad_last(other.pend_feats, other.pend_pos, R)
         self.pend_feats, self.pend_pos = torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])
@@ -144,23 +159,26 @@ class DrafterProposer:
         self._arange_q = torch.arange(block_size, device=target.device)
 
     # ---- per-batch state ------------------------------------------------------------------------------------
-    def prefill(self, feats: torch.Tensor, pos: torch.Tensor, last: torch.Tensor, max_len: int,
-                width: int = 1) -> DraftState:
+    def prefill(self, feats: torch.Tensor, pos: torch.Tensor, last: torch.Tensor, max_len: int) -> DraftState:
         """New rows' state from their prompt features [n, P, k*H] at pos [n, P]; last [n] = each prompt's last
-        position. The prompt goes into the cache at once; what stays pending is a harmless rewrite of the last
-        prompt feature at its own position (`width` times)."""
-        c, n = self.drafter.config, feats.shape[0]
-        cache = PositionCache(c.num_hidden_layers, n, c.num_key_value_heads, max_len, c.head_dim,
-                              self.target.dtype, self.target.device)
-        self._write(cache, feats, pos)
-        rows = torch.arange(n, device=feats.device)
-        return DraftState(cache, feats[rows, last][:, None].expand(n, width, feats.shape[-1]).contiguous(),
-                          last[:, None].expand(n, width).contiguous())
+        position. Nothing is computed here: the prompt stays pending until the drafter first runs for these rows
+        (`ingest`), and a row's right padding past `last` becomes a repeat of its last prompt feature."""
+        c, n, P = self.drafter.config, feats.shape[0], feats.shape[1]
+        # Why clamp to `last`: slots past a row's prompt hold padding features at positions the row will later
+        # commit real tokens to; ingesting them could overwrite a real feature written in the same pass.
+        idx = torch.minimum(torch.arange(P, device=feats.device)[None], last[:, None])  # [n, P]
+        dev, dtype = self.target.device, self.target.dtype
+
+        def new_cache(rows: int) -> PositionCache:
+            return PositionCache(c.num_hidden_layers, rows, c.num_key_value_heads, max_len, c.head_dim, dtype, dev)
+        return DraftState(new_cache, feats.gather(1, idx[..., None].expand(n, P, feats.shape[-1])), pos.gather(1, idx))
 
     def ingest(self, state: DraftState) -> None:
-        """Write the pending context features into the draft cache; nothing is pending afterwards."""
+        """Write the pending context features into the draft cache (allocating it on first use); nothing is
+        pending afterwards."""
+        cache = state.ensure_cache()
         if state.pend_pos.shape[1]:
-            self._write(state.cache, state.pend_feats, state.pend_pos)
+            self._write(cache, state.pend_feats, state.pend_pos)
             state.pend_feats, state.pend_pos = state.pend_feats[:, :0], state.pend_pos[:, :0]
 
     def _write(self, cache: PositionCache, feats: torch.Tensor, pos: torch.Tensor) -> None:

@@ -178,8 +178,10 @@ def _draft_fn(target, proposer, rows: int, ctx: int = DRAFT_CTX, pending: int = 
     feats = torch.randn(rows, ctx, len(c.target_layer_ids) * target.hidden_size, generator=torch.Generator()
                         .manual_seed(1)).to(device=target.device, dtype=target.dtype)
     pos = torch.arange(ctx, device=target.device).expand(rows, ctx)
-    state = proposer.prefill(feats, pos, pos[:, -1], ctx + 2 * proposer.block_size, pending)
-    held = state.pend_feats, state.pend_pos
+    state = proposer.prefill(feats, pos, pos[:, -1], ctx + 2 * proposer.block_size)
+    proposer.ingest(state)
+    # pending: the last context feature rewritten at its own position, `pending` times per row
+    held = feats[:, -1:].expand(rows, pending, feats.shape[-1]).contiguous(), pos[:, -1:].expand(rows, pending)
     view = DraftView(torch.zeros(rows, dtype=torch.long, device=target.device),
                      torch.full((rows,), ctx, device=target.device), ctx, [])
 
