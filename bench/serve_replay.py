@@ -1,6 +1,6 @@
 """The server's continuous batching replayed in ONE process, every mode in lockstep: AR, the fixed tree, the default.
 
-    .venv/bin/python bench/serve_replay.py --requests 16 --max-tokens 32 --out bench/results/serve-replay
+    .venv/bin/python bench/serve_replay.py --requests 16 --max-tokens 32 --rounds 3 --out bench/results/serve-replay
 
 Why: `serve_load.py` runs each mode in its own server process, and two identical AR servers side by side differed
 by 1-19 % per cell on this host (bench/results/serve-load-processes) - more than the 5 % in question. Here one
@@ -15,7 +15,9 @@ Writes serve_replay.json, .md and .png.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,6 +42,8 @@ class Replay:
         self.queue = [engine.sequence(i, p, max_new_tokens=max_tokens, config=self.config)
                       for i, p in enumerate(prompts)]
         self.concurrency, self.seconds, self.admit_s, self.done = concurrency, 0.0, 0.0, []
+        stats = getattr(self.batch.policy, "stats", None)  # the adaptive policy's counts (kept per engine)
+        self.before = copy.copy(stats) if stats is not None else None
 
     def turn(self) -> bool:
         """Admit, then one step (the engine loop's iteration); False when every request is done."""
@@ -73,9 +77,22 @@ def run(engine, prompts, concurrency: int, max_tokens: int, k: int) -> dict:
         acc = [a for s in r.done for a in s.stats.accepted]
         out[m] = {"tokens": toks, "seconds": round(r.seconds, 3), "throughput_tok_s": round(toks / r.seconds, 2),
                   "tau": round(sum(a + 1 for a in acc) / max(len(acc), 1), 3), "admit_s": round(r.admit_s, 3)}
+        if r.before is not None:
+            out[m]["policy"] = r.batch.policy.stats.since(r.before).summary()
     out["default_vs_best"] = round(out["default"]["throughput_tok_s"]
                                    / max(out["ar"]["throughput_tok_s"], out["default-fixed"]["throughput_tok_s"]), 4)
     return out
+
+
+def median_cell(rounds: list[dict]) -> dict:
+    """One cell over its rounds: each mode's median throughput and tau, the median of the per-round ratios (each
+    round's modes ran in lockstep, so its ratio is the fair one), and the rounds themselves."""
+    if len(rounds) == 1:
+        return rounds[0]
+    cell = {m: {k: statistics.median(r[m][k] for r in rounds) for k in ("throughput_tok_s", "tau")} for m in MODES}
+    cell["default_vs_best"] = statistics.median(r["default_vs_best"] for r in rounds)
+    cell["rounds"] = rounds
+    return cell
 
 
 def report(meta: dict, res: dict, out: Path) -> str:
@@ -83,7 +100,8 @@ def report(meta: dict, res: dict, out: Path) -> str:
           f"{meta['requests']} MT-Bench first turns, {meta['max_tokens']} tokens each, greedy, {meta['dtype']}, "
           f"{meta['threads']} threads, backend {meta['backend']}; `concurrency` closed-loop clients per mode; the "
           "modes take turns (one admit + step each). Throughput = completion tokens / the mode's own time "
-          "(prefill included).", "",
+          f"(prefill included). {meta.get('rounds', 1)} round(s) per cell: medians (the ratio: of the per-round "
+          "ratios).", "",
           "| concurrency | ar tok/s | default-fixed tok/s (tau) | default tok/s (tau) | default / max(ar, fixed) |",
           "|---|---|---|---|---|"]
     for c, r in res.items():
@@ -115,6 +133,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, action="append", default=None)
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every cell (rounds interleaved across cells); "
+                    "the table quotes medians: one cell's prefill is a few big calls, which vary +-10 %% here")
     ap.add_argument("--out", default="bench/results/serve-replay")
     args = ap.parse_args()
     target, tok, drafter, _ = load_models()
@@ -122,11 +142,15 @@ def main() -> int:
     prompts = [encode_chat(tok, it[0]) for it in load_dataset("mt-bench-t1", args.requests)]
     for m in MODES.values():  # warm-up (and the cost model's calibration, if not cached)
         engine.generate(prompts[:1], max_new_tokens=4, config=m)
-    res = {}
-    for k, c in enumerate(tqdm(args.concurrency or [1, 2, 4, 8, 16], desc="concurrency")):
-        res[str(c)] = run(engine, prompts, c, args.max_tokens, k)
-        print(json.dumps({c: res[str(c)]}), flush=True)
+    cs = args.concurrency or [1, 2, 4, 8, 16]
+    rounds = {str(c): [] for c in cs}
+    cells = [(r, c) for r in range(args.rounds) for c in cs]
+    for k, (r, c) in enumerate(tqdm(cells, desc="round x concurrency")):
+        rounds[str(c)].append(run(engine, prompts, c, args.max_tokens, k))
+        print(json.dumps({"round": r, c: rounds[str(c)][-1]}), flush=True)
+    res = {c: median_cell(rs) for c, rs in rounds.items()}
     meta = {"command": " ".join(["bench/serve_replay.py"] + sys.argv[1:]), "requests": args.requests,
+            "rounds": args.rounds,
             "max_tokens": args.max_tokens, "dtype": str(target.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "backend": getattr(target, "engine_name", type(target).__name__)}
     out = Path(args.out)
