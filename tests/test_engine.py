@@ -177,6 +177,44 @@ def check_caches_while_decoding(eng, t, dr, prompts, max_new):
     return checked, steps
 
 
+def test_a_joining_prompt_stays_pending_until_the_drafter_runs(arch):
+    """The drafter's state of joining rows is lazy: no cache and every prompt feature pending (a shorter prompt
+    padded by repeating its last position) until the drafter first runs; rows joining a batch whose drafter already
+    ran get their cache then. At every draft call the cache slots [0, start) equal the drafter's K/V of fresh
+    features, for the first rows and the joining ones alike."""
+    t = make_target(arch)
+    dr = make_drafter(t, block_size=4)
+    eng = DFlashEngine(t, dr, eos_token_ids=[], config=DecodeConfig(policy="fixed"))
+    drafted = []
+
+    class Checker(eng.drafter_factory):
+        def draft(self, state, view, k=1, probs=False):
+            for r, (s, st) in enumerate(zip(view.seqs, view.start.tolist())):
+                committed = s.prompt + s.generated
+                pos = torch.arange(st)[None]
+                _, feats = t.forward(torch.tensor([committed[:st]]), pos, t.new_cache(1, st + 1), kv_len=st)
+                for layer, (k_, v_) in enumerate(dr.context_kv(dr.fuse(feats), pos)):
+                    torch.testing.assert_close(state.cache.keys[layer][r, :, :st], k_[0], rtol=1e-9, atol=1e-9)
+                    torch.testing.assert_close(state.cache.values[layer][r, :, :st], v_[0], rtol=1e-9, atol=1e-9)
+            drafted.append(len(view.seqs))
+            return super().draft(state, view, k, probs)
+
+    eng.set_proposers(drafter=Checker)
+    batch = eng.new_batch(max_len=96)
+    (a, b), L = PROMPTS[2:4], max(len(PROMPTS[2]), len(PROMPTS[3]))
+    batch.add([eng.sequence(0, a, max_new_tokens=12), eng.sequence(1, b, max_new_tokens=12)])
+    st = batch.dstate
+    assert st.cache is None and st.pending() == 2 * L
+    assert st.pend_pos.tolist() == [list(range(L)), [min(i, len(b) - 1) for i in range(L)]]
+    batch.step()
+    assert st.cache is not None and st.cache.batch_size == 2 and drafted == [2]
+    batch.add([eng.sequence(2, PROMPTS[0], max_new_tokens=12)])  # joins a batch whose drafter has a cache
+    assert batch.dstate.cache.batch_size == 3
+    while batch.alive:
+        batch.step()
+    assert drafted[1] == 3 and len(drafted) > 3
+
+
 def stream_batch(gen):
     """The DecodeBatch of a suspended `stream` generator (through torch's inference_mode generator wrapper)."""
     while gen is not None and gen.gi_frame is not None:
