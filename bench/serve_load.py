@@ -192,9 +192,38 @@ def merge_rounds(rows: list[dict], names: list[str]) -> list[dict]:
     return out
 
 
-def main() -> int:
-    from openai import OpenAI
+class _Up:
+    """A started server as a context: entering waits for /health and warms it up; -> (base, counters, client)."""
 
+    def __init__(self, server, prompt: str, max_tokens: int):
+        self.server, self.prompt, self.max_tokens = server, prompt, max_tokens
+
+    def __enter__(self):
+        from openai import OpenAI
+
+        base, counters = self.server.__enter__()
+        client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
+        ask(client, self.prompt, self.max_tokens)  # warm-up
+        return base, counters, client
+
+    def __exit__(self, *exc):
+        return self.server.__exit__(*exc)
+
+
+def start_all(order: list[str], args, threads: int, out: Path, prompts: list[str], skipped: dict) -> dict:
+    """The servers of `order` (not yet started: `_Up` contexts), skipping (with a message) the ones unavailable."""
+    servers = {}
+    for mode in order:
+        server = start_server(mode, args, threads, out)
+        if isinstance(server, str):
+            skipped[mode] = server
+            print(f"skipping {mode}: {server}", flush=True)
+            continue
+        servers[mode] = _Up(server, prompts[0], args.max_tokens)
+    return servers
+
+
+def main() -> int:
     from dflashkit.data import mtbench_questions
 
     ap = argparse.ArgumentParser()
@@ -203,6 +232,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--modes", default="ar,dflash-b8,vllm,vllm-dflash-b8")
     ap.add_argument("--rounds", type=int, default=1, help="repeat every (concurrency, mode) cell, interleaved")
+    ap.add_argument("--restart", action="store_true", help="fresh servers every round, started in a rotating order")
     ap.add_argument("--out", default="bench/results/serve-load")
     ap.add_argument("--report-only", action="store_true", help="rewrite serve_load.md/.png from serve_load.json")
     args = ap.parse_args()
@@ -214,34 +244,34 @@ def main() -> int:
         return 0
     prompts = [q["turns"][0] for q in mtbench_questions()][: args.requests]
     threads = torch.get_num_threads()
-    rows, skipped, servers = [], {}, {}
-    with contextlib.ExitStack() as stack:
-        # Every server is started first and stays up (an idle one polls its queue every 50 ms); then each
-        # concurrency level is run by every mode back to back, in a rotating order. Why: on a shared 2-core host
-        # the same work ran 40 % slower minutes apart, so modes run one after another (minutes each) would
-        # compare different machines; interleaved, drift hits them alike.
-        for mode in args.modes.split(","):
-            server = start_server(mode, args, threads, out)
-            if isinstance(server, str):
-                skipped[mode] = server
-                print(f"skipping {mode}: {server}", flush=True)
-                continue
-            base, counters = stack.enter_context(server)
-            servers[mode] = (base, counters, OpenAI(base_url=base + "/v1", api_key="none", max_retries=0,
-                                                    timeout=600))
-            ask(servers[mode][2], prompts[0], args.max_tokens)  # warm-up
-        names = list(servers)
-        k = 0
-        for _ in range(args.rounds):
-            for conc in (1, 2, 4, 8, 16):
-                for mode in names[k % len(names):] + names[:k % len(names)]:
-                    rows.append(load_round(mode, servers[mode], prompts, conc, args.max_tokens))
-                    print({a: b for a, b in rows[-1].items() if a not in ("per_user", "latency")}, flush=True)
-                k += 1
+    rows, skipped = [], {}
+    modes = args.modes.split(",")
+    k = 0
+    # Every server is started first and stays up (an idle one polls its queue every 50 ms); then each concurrency
+    # level is run by every mode back to back, in a rotating order. Why: on a shared 2-core host the same work ran
+    # 40 % slower minutes apart, so modes run one after another (minutes each) would compare different machines;
+    # interleaved, drift hits them alike. --restart: fresh servers every round, started in a rotating order (two
+    # identical AR servers side by side differed by 1-19 %, consistently: a process's own luck, which rounds within
+    # one set of processes cannot average out).
+    for r in range(args.rounds if args.restart else 1):
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
+        servers = start_all(order, args, threads, out, prompts, skipped)
+        with contextlib.ExitStack() as stack:
+            for mode in order:
+                if mode in servers:
+                    servers[mode] = stack.enter_context(servers[mode])
+            names = [m for m in modes if m in servers]
+            for _ in range(1 if args.restart else args.rounds):
+                for conc in (1, 2, 4, 8, 16):
+                    for mode in names[k % len(names):] + names[:k % len(names)]:
+                        rows.append(load_round(mode, servers[mode], prompts, conc, args.max_tokens))
+                        print({a: b for a, b in rows[-1].items() if a not in ("per_user", "latency")}, flush=True)
+                    k += 1
+    names = [m for m in modes if m not in skipped]
     rows = merge_rounds(rows, names)
     meta = {"command": " ".join(sys.argv), "threads": threads, "dtype": args.dtype, "requests": len(prompts),
             "max_tokens": args.max_tokens, "prompts": "MT-Bench first turns", "skipped": skipped,
-            "rounds": args.rounds,
+            "rounds": args.rounds, "restart": args.restart,
             "order": "interleaved: all servers up, each concurrency run by every mode back to back, rotating"}
     (out / "serve_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(report(meta, rows, out))
