@@ -272,7 +272,8 @@ def main() -> int:
     meta = {"command": " ".join(sys.argv), "threads": threads, "dtype": args.dtype, "requests": len(prompts),
             "max_tokens": args.max_tokens, "prompts": "MT-Bench first turns", "skipped": skipped,
             "rounds": args.rounds, "restart": args.restart,
-            "order": "interleaved: all servers up, each concurrency run by every mode back to back, rotating"}
+            "order": "interleaved: all servers up, each concurrency run by every mode back to back, rotating"
+                     + ("; fresh servers every round, started in a rotating order" if args.restart else "")}
     (out / "serve_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(report(meta, rows, out))
     return 0

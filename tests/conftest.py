@@ -106,11 +106,11 @@ def assert_invariant_unless_torch_linear_is_not(t, inv) -> None:
     """For a lean target on torch's kernels: bitwise batch invariance, unless torch's own F.linear is shown not to be
     row-invariant on this CPU for the target's weight shapes (`linear_row_change`; oneDNN picks kernels by shape:
     on an AVX512-BF16 EPYC it changes, on AVX2 hosts it did not). Our forward's own invariance is then still tested
-    on our kernels (tests/test_kernels.py), and the self-check labels the torch path (test_invariance_...)."""
+    on our kernels (tests/test_kernels.py), and the self-check names the cause (tests/test_lean.py,
+    test_the_self_check_names_a_torch_linear_that_changes_with_the_row_count)."""
     from dflashkit.invariance import linear_row_change
 
     if inv.exact and inv.max_diff == 0.0:
         return
     change = linear_row_change(t.linear_weights())
     assert change is not None, f"not batch-invariant although torch's F.linear is row-invariant here: {inv}"
-
