@@ -288,3 +288,17 @@ def test_sequences_join_and_leave_a_running_batch(arch, backend):
     assert got[0] == ar[0].tokens and got[2] == ar[2].tokens and got[3] == ar[3].tokens
     assert got[1] == ar[1].tokens[:cut] and 0 < cut < 24
     assert all(s.finish_reason in ("length", "cancelled") for s in batch.seqs) or not batch.seqs
+
+
+def test_a_row_ending_mid_block_does_not_push_the_batch_past_its_cache():
+    """A row whose budget ends inside an accepted block rides along frozen until compaction; its start must stop
+    at its budget (before the fix it advanced by the whole block: the next verify, its slots past the cache that was
+    sized by prompt + max_new_tokens + tree width, raised 'exceeds the cache')."""
+    t = make_target("llama")
+    eng = DFlashEngine(t, make_drafter(t, block_size=8), eos_token_ids=[], config=PLAIN)
+    prompts = [list(range(4, 44))] + [[5 + i, 6, 7, 8, 9] for i in range(4)]  # 5 rows: 1 finished is no compaction
+    budgets = [3, 30, 30, 30, 30]
+    ar, ref = reference_runs(eng, prompts, 30)
+    with_oracle(eng, ref, keep=1.0)
+    got = eng.generate(prompts, max_new_tokens=budgets)
+    assert [g.tokens for g in got] == [g.tokens[:n] for g, n in zip(ar, budgets)]

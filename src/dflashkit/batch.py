@@ -281,7 +281,7 @@ class DecodeBatch:
         output is exact at any temperature. Slots past the accepted path keep stale K/V at positions >= the new
         start: invisible until those positions are committed and rewritten (`cache.py`)."""
         b, R, dev = len(self.seqs), self.span, self.target.device
-        live = torch.tensor([not s.finished for s in self.seqs], device=dev)
+        left = [0 if s.finished else s.max_new_tokens - len(s.generated) for s in self.seqs]  # tokens still owed
         a, path = accept(tree, choices)  # path: [b, D+1] node per depth (repeats the end past a)
         path = torch.cat([path, path[:, -1:].expand(b, R - path.shape[1])], dim=1)  # [b, R]
         committed = choices.gather(1, path)  # [b, R]; the first a+1 are this step's tokens
@@ -300,14 +300,18 @@ class DecodeBatch:
             self.dstate.append(feats.gather(1, path[:, :D1, None].expand(b, D1, feats.shape[-1])),
                                self.start[:, None] + torch.minimum(depth[None, :D1], a[:, None]))
         self.anchor = committed.gather(1, a[:, None])[:, 0]  # the bonus token: the next anchor
-        self.start = self.start + (a + 1) * live  # finished rows stay frozen
+        # Why capped by what each row is still owed: a row whose budget ends inside the accepted path finishes and
+        # rides along frozen until compaction; its start must stay within prompt + max_new_tokens, or the next
+        # verify's slots (start + tree width) run past the cache, which is sized by exactly that. Finished rows: 0.
+        advance = [min(int(row[R]) + 1, n) for row, n in zip(host, left)]
+        self.start = self.start + torch.tensor(advance, device=dev)
         now = time.perf_counter()
         out = []
         for i, (s, row) in enumerate(zip(self.seqs, host)):
             if s.finished:
                 continue
             a_i = int(row[R])
-            self.starts[i] += a_i + 1
+            self.starts[i] += advance[i]
             s.stats.accepted.append(a_i)
             out.append(s.commit(row[: a_i + 1], self.eos_ids, self.tokenizer, lps[i][: a_i + 1] if lps else None))
             s.stats.decode_s = now - s.t_first
