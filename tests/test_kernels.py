@@ -188,3 +188,82 @@ def test_fused_attention_computes_the_same_model(arch):
     b = ref.logits(ref.forward(ids, pos, ref.new_cache(2, 80), kv_len=70, taps=False)[0]).float()
     assert (a - b).abs().max() < 0.05 * a.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+STACKED_ARCHS = ["llama", "qwen3"]  # Llama-style layers: what the layer stack (kernels/layers.cpp) implements
+
+
+def _stacked(arch: str, int4_a8: bool = False):
+    t = make_target(arch, torch.bfloat16, backend="lean")
+    _to_int4_a8(t) if int4_a8 else t.use_rowlinear()
+    t.use_fused_attention()
+    t.use_layer_stack()
+    return t
+
+
+@pytest.mark.parametrize("arch", STACKED_ARCHS)
+@pytest.mark.parametrize("int4_a8", [False, True])
+@pytest.mark.parametrize("n,prompt,seed", [(8, 29, 1), (16, 40, 2)])
+def test_layer_stack_is_bitwise_batch_invariant(arch, int4_a8, n, prompt, seed):
+    """All layers in one C++ call: a token's logits have the same bits alone, in a block, in a tree, in a ragged
+    batch, with bf16 and with 4-bit codes on 8-bit activations."""
+    t = _stacked(arch, int4_a8)
+    assert t.engine_name.endswith("+attend+layers")
+    inv = measure(t, n=n, prompt=prompt, seed=seed)
+    assert inv.exact and inv.max_diff == 0.0, inv
+
+
+@pytest.mark.parametrize("arch", STACKED_ARCHS)
+def test_layer_stack_computes_the_same_model(arch):
+    """The stack and the per-op forward round alike except the norms' sums (and exp's last bits): both are as close
+    to the fp32 model, their logits agree, the taps agree, and both write the same K/V into the cache."""
+    ids = torch.randint(4, 90, (2, 40), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(40).expand(2, 40)
+    ref = make_target(arch, torch.float32, backend="lean")
+    exact = ref.logits(ref.forward(ids, pos, ref.new_cache(2, 48), kv_len=40, taps=False)[0])
+    t = make_target(arch, torch.bfloat16, backend="lean")
+    t.use_rowlinear()
+    t.use_fused_attention()
+    t.tap_ids = [1, 4]
+    runs = []
+    for stacked in (False, True):
+        if stacked:
+            t.use_layer_stack()
+        cache = t.new_cache(2, 48)
+        hidden, feats = t.forward(ids, pos, cache, kv_len=40)
+        runs.append((t.logits(hidden).float(), feats.float(), cache))
+    (a, fa, ca), (b, fb, cb) = runs
+    err_ops, err_stack = (a - exact).abs().mean(), (b - exact).abs().mean()
+    assert err_stack < 1.5 * err_ops + 1e-3, (err_stack, err_ops)
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+    assert fb.shape == fa.shape and (fa - fb).abs().max() < 0.05 * fa.abs().max()
+    for layer in range(t.num_layers):  # the cache layout (incl. the values' trailing 1.0) is the per-op one
+        assert (ca.keys[layer][:, :, :40].float() - cb.keys[layer][:, :, :40].float()).abs().max() < 0.1
+        assert torch.equal(ca.values[layer][..., -1], cb.values[layer][..., -1])
+
+
+@pytest.mark.parametrize("arch", STACKED_ARCHS)
+def test_layer_stack_speculative_greedy_output_is_ar(arch):
+    t = _stacked(arch)
+    eng = DFlashEngine(t, make_drafter(t, block_size=8), eos_token_ids=[],
+                       config=DecodeConfig(tree=12, policy="fixed"))
+    prompts = [[5, 9, 11, 3], [7, 7, 1, 30, 31, 2, 8]]
+    ar = eng.generate(prompts, max_new_tokens=32, config=DecodeConfig.autoregressive())
+    assert [g.tokens for g in eng.generate(prompts, max_new_tokens=32)] == [g.tokens for g in ar]
+
+
+def test_layer_stack_refuses_what_it_does_not_implement():
+    with pytest.raises(DFlashError, match="needs our linear and attention kernels"):
+        make_target("llama", torch.bfloat16, backend="lean").use_layer_stack()
+    g = make_target("gemma3", torch.bfloat16, backend="lean")
+    g.use_rowlinear()
+    g.use_fused_attention()
+    with pytest.raises(DFlashError, match="not Llama-style"):
+        g.use_layer_stack()
+    t = _stacked("llama")
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        t.stack.forward(torch.zeros(1, 1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, 8, dtype=torch.bfloat16),
+                        torch.zeros(1, 1, 8, dtype=torch.bfloat16), t.new_cache(1, 4).keys, t.new_cache(1, 4).values,
+                        torch.tensor([[9]]), torch.zeros(1, 1, 4, dtype=torch.bool),
+                        torch.full((1, 1, 33), -1), [])

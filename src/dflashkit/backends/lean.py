@@ -37,6 +37,7 @@ from .hf import HFTarget, architecture_of
 log = logging.getLogger(__name__)
 
 SUPPORTED = {"LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"}
+STACKED = {"LlamaForCausalLM", "Qwen3ForCausalLM"}  # Llama-style layers: what kernels/layers.cpp implements
 
 
 def _rows(x: torch.Tensor, w: torch.Tensor | RowLinear) -> torch.Tensor:
@@ -149,12 +150,13 @@ class LeanTarget(HFTarget):
         self.kernel = "torch"
         self.head: RowLinear | None = None  # the LM head under our kernel (None: F.linear on lm_head_weight)
         self.fused_attention = False  # attention as one C++ call per layer (kernels/attention.cpp)
+        self.stack = None  # all decoder layers as one C++ call per forward (kernels/layers.cpp), or None
 
     @property
     def engine_name(self) -> str:
         """What the exactness self-check's cache is keyed on: the backend AND its kernels."""
         return (type(self).__name__ + ("" if self.kernel == "torch" else f"+{self.kernel}")
-                + ("+attend" if self.fused_attention else ""))
+                + ("+attend" if self.fused_attention else "") + ("+layers" if self.stack is not None else ""))
 
     def use_fused_attention(self) -> None:
         """Attention as one row-invariant C++ call per layer (kernels/attention.cpp) instead of ~30 tensor ops."""
@@ -164,6 +166,35 @@ class LeanTarget(HFTarget):
             raise DFlashError("the fused attention kernel needs bfloat16 and the dflashkit kernels "
                               f"({why_unavailable() or self.dtype}); use --kernel torch.")
         self.fused_attention = True
+
+    def stack_unsupported(self) -> str:
+        """Why the decoder layers cannot run as one C++ call (`use_layer_stack`), or "" where they can."""
+        if not self.fused_attention or self.kernel == "torch":
+            return "it needs our linear and attention kernels (--kernel rowlinear or --quant)"
+        if architecture_of(self.model) not in STACKED:
+            return f"{architecture_of(self.model)} layers are not Llama-style"
+        if {layer.attn_type for layer in self._layers} != {"full_attention"}:
+            return "it has sliding-window layers"
+        if getattr(self.config, "hidden_act", None) not in ("silu", "swish"):
+            return "its MLP activation is not SiLU"
+        return ""
+
+    def use_layer_stack(self) -> None:
+        """Run all decoder layers as ONE C++ call per forward (kernels/layers.cpp: the ~40 small torch ops per layer
+        around the kernels become loops over rows); row-invariant like the per-op forward, its own kernel set."""
+        from ..kernels import load, stack_linear
+
+        why = self.stack_unsupported()
+        if why:
+            raise DFlashError(f"the layer stack cannot run this target: {why}.")
+        stack = load().Stack(self.num_heads, self.num_kv_heads, self.head_dim, float(self.norm.variance_epsilon))
+        empty = torch.empty(0, dtype=torch.bfloat16)
+        for layer in self._layers:
+            norms = [n.weight.detach() if n is not None else empty for n in (layer.q_norm, layer.k_norm)]
+            stack.add_layer(layer.ln_in.weight.detach().contiguous(), layer.ln_post_attn.weight.detach().contiguous(),
+                            *norms, [stack_linear(w) for w in (layer.wqkv, layer.wo, layer.wgu, layer.wdown)],
+                            layer.scaling)
+        self.stack = stack
 
     def use_rowlinear(self) -> None:
         """Run every bf16 linear (and the head) through our row-invariant kernel (kernels/rowlinear.cpp): the same
@@ -225,6 +256,12 @@ class LeanTarget(HFTarget):
             self._rope_table(cache.max_len)
         splits = self._splits(positions, slots, kv_len, visible, cache.max_len)
         x = self.embed(ids)  # [B, Q, H]
+        if self.stack is not None:  # every layer in one C++ call (kernels/layers.cpp); one layer type, no window
+            sp = splits["full_attention"]
+            cos, sin = (c[positions] for c in self._rope["full_attention"])  # [B, Q, hd]
+            x, feats = self.stack.forward(x, cos, sin, cache.keys, cache.values, slots, sp.head_vis, sp.tail_slot,
+                                          list(self.tap_ids) if taps else [])
+            return self.norm(x), (feats if taps else None)
         tapped = {}
         want = set(self.tap_ids) if taps else set()
         rope = {t: tuple(c[positions][:, :, None] for c in cs) for t, cs in self._rope.items()}  # [B, Q, 1, hd]

@@ -23,7 +23,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("module.cpp", "rowlinear.cpp", "qlinear.cpp", "attention.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("module.cpp", "rowlinear.cpp", "qlinear.cpp", "attention.cpp",
+                                                  "layers.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 KINDS = {"bf16": 0, "q4_1": 1, "q8_0": 2}
 _state: dict = {}
@@ -203,3 +204,8 @@ def use_rowlinear_in(module: torch.nn.Module) -> int:
             m.forward = (lambda x, lin=lin: lin(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], lin.n_out))
             n += 1
     return n
+
+
+def stack_linear(w: RowLinear):
+    """`w` as the layer stack's C++ linear (kernels/layers.cpp reads the same code, scale and minimum tensors)."""
+    return load().StackLinear(w.codes, w.scale, w.minimum, KINDS[w.kind], w.n_out, w.int8_acts)

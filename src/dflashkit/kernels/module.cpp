@@ -7,9 +7,11 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
                       int64_t n_out, bool out_bf16);
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor head, torch::Tensor tail,
                      double scale);
+void register_stack(pybind11::module& mod);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("rowlinear", &rowlinear, "y = x @ W^T, every row computed alike whatever the row count (rowlinear.cpp)");
   mod.def("qlinear", &qlinear, "y = q8(x) . W^T for Q4_1 / Q8_0 weights, integer dot products, row-invariant");
   mod.def("attend", &attend, "the lean target's attention, row-invariant (attention.cpp)");
+  register_stack(mod);  // Stack: a Llama-style target's decoder layers in one call (layers.cpp)
 }

@@ -1,0 +1,243 @@
+// The lean target's decoder layers in ONE call per forward (`Stack`), for Llama-style layers (Llama, SmolLM2,
+// Qwen3's per-head q/k norms): RMSNorm, the fused qkv linear, per-head norms, rotary, the K/V cache write, the
+// attention (attention.cpp), o_proj, the residual adds, the SiLU-gated MLP and the taps.
+//
+// Why it exists: per layer the Python forward runs ~40 small torch ops around the kernels (~10 us each, ~1,200 a
+// step for a 30-layer model): a one-token step spent as much time there as streaming its weights. Here the glue is
+// plain loops over rows.
+//
+// Why it stays exact: every elementwise step reads one token's row and nothing else (the norm's sum of squares is
+// one 8-lane accumulator in a fixed order over the hidden dim), the linears are rowlinear / qlinear and the
+// attention is `attend`, all row-invariant. So a token's hidden state has the same bits alone or in a block. The
+// rounding follows HF's bf16 modules op by op (each torch op on bf16 computes in fp32 and rounds to bf16): the norm
+// scales in fp32, rounds, then multiplies by its bf16 weight and rounds; rotary rounds q*cos, rotate(q)*sin and
+// their sum; SiLU rounds silu(g), then g*u. Only the norm's summation order and exp's last bits differ from torch's
+// kernels: this is its own kernel set (`+layers` in the engine name), exact against its own AR.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "simd.h"
+
+torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
+                        int64_t n_out, bool out_bf16);
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
+                      int64_t n_out, bool out_bf16);
+torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor head, torch::Tensor tail,
+                     double scale);
+
+namespace {
+
+using dflashkit::bf16_round;
+using dflashkit::bf16x8;
+using dflashkit::hsum8;
+
+inline float widen(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline const uint16_t* bits(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+inline uint16_t* bits_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+
+// HF's RMSNorm on one bf16 row of n (n % 8 == 0): y = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))).
+inline void rms_row(const uint16_t* x, const uint16_t* w, int64_t n, float eps, uint16_t* y) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m256 v = bf16x8(x + k);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  const float r = 1.0f / std::sqrt(hsum8(acc) / static_cast<float>(n) + eps);
+  for (int64_t k = 0; k < n; ++k) y[k] = bf16_round(widen(w[k]) * widen(bf16_round(widen(x[k]) * r)));
+}
+
+// NeoX rotary on one head's row of hd, in place: x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)).
+inline void rotate_row(uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t hd, float* tmp) {
+  const int64_t half = hd / 2;
+  for (int64_t k = 0; k < hd; ++k) tmp[k] = widen(x[k]);
+  for (int64_t k = 0; k < hd; ++k) {
+    const float rot = k < half ? -tmp[k + half] : tmp[k - half];
+    const float a = widen(bf16_round(tmp[k] * widen(cos[k])));
+    const float b = widen(bf16_round(rot * widen(sin[k])));
+    x[k] = bf16_round(a + b);
+  }
+}
+
+// A linear layer as RowLinear holds it (kernels/__init__.py): codes, scales, minimums, kind, rows, 8-bit acts.
+struct Linear {
+  torch::Tensor codes, d, m;
+  int64_t kind, n_out;
+  bool int8_acts;
+  torch::Tensor operator()(const torch::Tensor& x) const {  // x [M, K] bf16 -> [M, n_out] bf16
+    return int8_acts ? qlinear(x, codes, d, m, kind, n_out, true) : rowlinear(x, codes, d, m, kind, n_out, true);
+  }
+};
+
+struct Layer {
+  torch::Tensor ln_in, ln_post, q_norm, k_norm;  // bf16 weights; q/k norms empty where the model has none
+  Linear qkv, o, gate_up, down;
+  double scaling;
+};
+
+}  // namespace
+
+class Stack {
+ public:
+  Stack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+      : nh_(heads), kvh_(kv_heads), hd_(head_dim), eps_(static_cast<float>(eps)) {
+    TORCH_CHECK(head_dim % 8 == 0 && heads % kv_heads == 0, "Stack: head dim % 8 and heads % kv heads must be 0");
+  }
+
+  void add_layer(torch::Tensor ln_in, torch::Tensor ln_post, torch::Tensor q_norm, torch::Tensor k_norm,
+                 std::vector<Linear> linears, double scaling) {
+    TORCH_CHECK(linears.size() == 4, "Stack.add_layer: linears are qkv, o, gate_up, down");
+    for (const auto* t : {&ln_in, &ln_post})
+      TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->is_contiguous(), "Stack: norm weights must be bf16");
+    TORCH_CHECK(linears[0].n_out == (nh_ + 2 * kvh_) * hd_, "Stack: qkv rows must be (heads + 2 kv heads) * hd");
+    layers_.push_back({ln_in, ln_post, q_norm, k_norm, linears[0], linears[1], linears[2], linears[3], scaling});
+  }
+
+  // x [B, Q, H] bf16 (embedded); cos / sin [B, Q, hd] bf16 (each token's rotary row); keys / values: the cache
+  // layers [B, kvh, T, hd] / [B, kvh, T, hd + 1] (written at `slots` [B, Q] int64; the value's last column is 1.0,
+  // see backends/lean.py); head [B, Q, S] bool, tail [B, Q, L] int64: `attend`'s key lists; taps: layer indices
+  // whose output is returned, concatenated, in that order. Returns (x after the last layer [B, Q, H], taps [B, Q,
+  // len(taps) * H] or empty).
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                                   std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
+                                                   torch::Tensor slots, torch::Tensor head, torch::Tensor tail,
+                                                   std::vector<int64_t> taps) {
+    const int64_t B = x.size(0), Q = x.size(1), H = x.size(2), M = B * Q, nl = layers_.size();
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && H % 32 == 0, "Stack.forward: x must be bf16 [B, Q, H]");
+    TORCH_CHECK(static_cast<int64_t>(keys.size()) == nl && static_cast<int64_t>(values.size()) == nl,
+                "Stack.forward: one cache layer per decoder layer");
+    TORCH_CHECK(cos.sizes() == torch::IntArrayRef({B, Q, hd_}) && sin.sizes() == cos.sizes() &&
+                    slots.sizes() == torch::IntArrayRef({B, Q}) && slots.scalar_type() == torch::kLong,
+                "Stack.forward: cos / sin [B, Q, hd] and slots [B, Q] int64");
+    cos = cos.contiguous(), sin = sin.contiguous(), slots = slots.contiguous();
+    const int64_t T = keys.empty() ? 0 : keys[0].size(2);
+    for (int64_t r = 0; r < M; ++r) {  // checked here, not inside the threads that write the cache
+      const int64_t slot = slots.data_ptr<int64_t>()[r];
+      TORCH_CHECK(slot >= 0 && slot < T, "Stack.forward: slot ", slot, " lies outside the cache (", T, " slots)");
+    }
+    x = x.reshape({M, H}).contiguous().clone();
+    torch::Tensor feats = torch::empty({M, static_cast<int64_t>(taps.size()) * H}, x.options());
+    torch::Tensor h = torch::empty({M, H}, x.options());
+    const int64_t nqkv = (nh_ + 2 * kvh_) * hd_;
+    for (int64_t i = 0; i < nl; ++i) {
+      const Layer& ly = layers_[i];
+      const torch::Tensor& kc = keys[i];
+      const torch::Tensor& vc = values[i];
+      TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.size(0) == B && kc.size(1) == kvh_ &&
+                      kc.size(3) == hd_ && vc.size(3) == hd_ + 1 && vc.size(2) == kc.size(2),
+                  "Stack.forward: cache layers must be contiguous [B, kvh, T, hd] / [B, kvh, T, hd + 1]");
+      norm_rows(x, ly.ln_in, h);
+      torch::Tensor qkv = ly.qkv(h);  // [M, (nh + 2 kvh) hd]
+      torch::Tensor q = torch::empty({B, Q, nh_, hd_}, x.options());
+      heads(qkv, ly, cos, sin, q, kc, vc, slots, nqkv, Q);
+      torch::Tensor a = ly.o(attend(q, kc, vc, head, tail, ly.scaling).view({M, nh_ * hd_}));
+      add_rows(x, a);
+      norm_rows(x, ly.ln_post, h);
+      torch::Tensor gu = ly.gate_up(h);  // [M, 2 I]
+      add_rows(x, ly.down(silu_mul(gu)));
+      for (size_t t = 0; t < taps.size(); ++t)
+        if (taps[t] == i) feats.narrow(1, t * H, H).copy_(x);
+    }
+    return {x.view({B, Q, H}), feats.view({B, Q, -1})};
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  void norm_rows(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y) const {
+    const int64_t M = x.size(0), H = x.size(1);
+    const uint16_t *xp = bits(x), *wp = bits(w);
+    uint16_t* yp = bits_mut(y);
+    at::parallel_for(0, M, 16, [&](int64_t a, int64_t z) {
+      for (int64_t r = a; r < z; ++r) rms_row(xp + r * H, wp, H, eps_, yp + r * H);
+    });
+  }
+
+  static void add_rows(torch::Tensor& x, const torch::Tensor& a) {  // x = bf16(x + a), as torch's bf16 add
+    uint16_t* xp = bits_mut(x);
+    const uint16_t* ap = bits(a);
+    at::parallel_for(0, x.numel(), 8192, [&](int64_t s, int64_t e) {
+      for (int64_t k = s; k < e; ++k) xp[k] = bf16_round(widen(xp[k]) + widen(ap[k]));
+    });
+  }
+
+  static torch::Tensor silu_mul(const torch::Tensor& gu) {  // [M, 2 I] -> bf16(bf16(silu(g)) * u) [M, I]
+    const int64_t M = gu.size(0), I = gu.size(1) / 2;
+    torch::Tensor y = torch::empty({M, I}, gu.options());
+    const uint16_t* gp = bits(gu);
+    uint16_t* yp = bits_mut(y);
+    at::parallel_for(0, M * I, 8192, [&](int64_t s, int64_t e) {
+      for (int64_t k = s; k < e; ++k) {
+        const int64_t r = k / I, c = k % I;
+        const float g = widen(gp[r * 2 * I + c]);
+        const float act = widen(bf16_round(g / (1.0f + std::exp(-g))));
+        yp[k] = bf16_round(act * widen(gp[r * 2 * I + I + c]));
+      }
+    });
+    return y;
+  }
+
+  // Per token: split qkv, per-head norms (Qwen3), rotary on q and k, q into `q`, k / v (+ 1.0) into the cache.
+  void heads(const torch::Tensor& qkv, const Layer& ly, const torch::Tensor& cos, const torch::Tensor& sin,
+             torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& slots,
+             int64_t nqkv, int64_t Q) const {
+    const int64_t M = qkv.size(0), T = kc.size(2), hd = hd_;
+    const uint16_t *src = bits(qkv), *cp = bits(cos), *sp = bits(sin);
+    const uint16_t* qn = ly.q_norm.defined() && ly.q_norm.numel() ? bits(ly.q_norm) : nullptr;
+    const uint16_t* kn = ly.k_norm.defined() && ly.k_norm.numel() ? bits(ly.k_norm) : nullptr;
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    uint16_t* qp = bits_mut(q);
+    uint16_t* kp = reinterpret_cast<uint16_t*>(kc.data_ptr());
+    uint16_t* vp = reinterpret_cast<uint16_t*>(vc.data_ptr());
+    const uint16_t one = bf16_round(1.0f);
+    at::parallel_for(0, M, 4, [&](int64_t a, int64_t z) {
+      std::vector<uint16_t> row(hd);
+      std::vector<float> tmp(hd);
+      for (int64_t r = a; r < z; ++r) {
+        const int64_t b = r / Q, slot = sl[r];
+        const uint16_t* t = src + r * nqkv;
+        for (int64_t j = 0; j < nh_ + kvh_; ++j) {  // q heads, then k heads
+          const bool is_q = j < nh_;
+          uint16_t* dst = is_q ? qp + (r * nh_ + j) * hd : kp + ((b * kvh_ + (j - nh_)) * T + slot) * hd;
+          const uint16_t* norm = is_q ? qn : kn;
+          if (norm) rms_row(t + j * hd, norm, hd, eps_, row.data());
+          else std::memcpy(row.data(), t + j * hd, hd * 2);
+          rotate_row(row.data(), cp + r * hd, sp + r * hd, hd, tmp.data());
+          std::memcpy(dst, row.data(), hd * 2);
+        }
+        for (int64_t j = 0; j < kvh_; ++j) {
+          uint16_t* dst = vp + ((b * kvh_ + j) * T + slot) * (hd + 1);
+          std::memcpy(dst, t + (nh_ + kvh_ + j) * hd, hd * 2);
+          dst[hd] = one;
+        }
+      }
+    });
+  }
+
+  int64_t nh_, kvh_, hd_;
+  float eps_;
+  std::vector<Layer> layers_;
+};
+
+void register_stack(pybind11::module& mod) {
+  namespace py = pybind11;
+  py::class_<Linear>(mod, "StackLinear")
+      .def(py::init([](torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind, int64_t n_out,
+                       bool int8_acts) { return Linear{codes, d, m, kind, n_out, int8_acts}; }));
+  py::class_<Stack>(mod, "Stack")
+      .def(py::init<int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &Stack::add_layer)
+      .def("forward", &Stack::forward)
+      .def_property_readonly("num_layers", &Stack::num_layers);
+}
