@@ -1,7 +1,7 @@
 """Linear kernels and target steps on the real target, side by side in one run: torch's bf16 `F.linear`, our
 row-invariant `rowlinear` kernel on the same bf16 weights, and on the GGUF's own Q4_1 codes (`--quant int4`);
 then the whole target step (forward + LM head) of HF eager, lean, lean + rowlinear, + the fused attention
-(kernels/attention.cpp), and the int4 targets (fp32 products; 8-bit activations with integer dot products,
+(kernels/attention.cpp), + the layer stack (all layers in one C++ call, kernels/layers.cpp), and the int4 targets (fp32 products; 8-bit activations with integer dot products,
 kernels/qlinear.cpp) at 1 / 4 / 16 / 32 tokens (one-token decoding and verify blocks).
 
     .venv/bin/python bench/kernel_bench.py --out bench/results/kernels
@@ -13,6 +13,7 @@ alike). Writes kernels.json, kernels.md and kernels.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -23,11 +24,24 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from dflashkit.kernels import RowLinear
+from dflashkit.kernels import RowLinear, isa, set_isa
 from dflashkit.loader import apply_kernels, load_target, resolve_target_dir
 
 ROWS = [1, 4, 16, 32]
-VARIANTS = ["hf", "lean", "lean+rowlinear", "lean+rowlinear+attend", "lean+int4+attend", "lean+int4-a8+attend"]
+VARIANTS = ["hf", "lean", "lean+rowlinear", "lean+rowlinear+attend", "lean+rowlinear+attend+layers@avx2",
+            "lean+rowlinear+attend+layers", "lean+int4+attend", "lean+int4-a8+attend", "lean+int4-a8+attend+layers"]
+
+
+@contextlib.contextmanager
+def isa_of(name: str):
+    """A variant named "...@avx2" runs rowlinear's 8-lane AVX2 path (on an AVX512-BF16 CPU the default is its
+    16-lane bf16 dot products)."""
+    if name.endswith("@avx2"):
+        set_isa("avx2")
+    try:
+        yield
+    finally:
+        set_isa("auto")
 
 
 def timed(fn, reps: int) -> float:
@@ -43,9 +57,11 @@ def linear_table(targets: dict, repeats: int) -> dict:
     lean = targets["lean"]
     shapes = {"gate/up [3072 x 576]": {"torch": lean._layers[0].wgu,
                                        "rowlinear": targets["lean+rowlinear"]._layers[0].wgu,
+                                       "rowlinear@avx2": targets["lean+rowlinear"]._layers[0].wgu,
                                        "int4": targets["lean+int4+attend"]._layers[0].wgu,
                                        "int4-a8": targets["lean+int4-a8+attend"]._layers[0].wgu},
               "head [49152 x 576]": {"torch": lean.lm_head_weight, "rowlinear": targets["lean+rowlinear"].head,
+                                     "rowlinear@avx2": targets["lean+rowlinear"].head,
                                      "int4 (q8_0)": targets["lean+int4+attend"].head,
                                      "int4-a8 (q8_0)": targets["lean+int4-a8+attend"].head}}
     out = {}
@@ -56,7 +72,8 @@ def linear_table(targets: dict, repeats: int) -> dict:
             for _ in range(repeats):
                 for k, w in ws.items():
                     f = (lambda w=w: w(x)) if isinstance(w, RowLinear) else (lambda w=w: F.linear(x, w))
-                    runs[k].append(timed(f, 5 if "head" in shape else 20))
+                    with isa_of(k):
+                        runs[k].append(timed(f, 5 if "head" in shape else 20))
             out[f"{shape} M={m}"] = {k: round(statistics.median(v), 3) for k, v in runs.items()}
     return out
 
@@ -68,7 +85,8 @@ def step_table(targets: dict, ids: list[int], repeats: int) -> dict:
         caches = {}
         for name, t in targets.items():  # prefill once per engine and width (not timed)
             c = t.new_cache(1, len(ids) + 64)
-            t.forward(torch.tensor([ids]), torch.arange(len(ids))[None], c, kv_len=len(ids))
+            with isa_of(name):
+                t.forward(torch.tensor([ids]), torch.arange(len(ids))[None], c, kv_len=len(ids))
             caches[name] = c
         new = torch.tensor([ids[-m:]])
         pos = torch.arange(len(ids), len(ids) + m)[None]
@@ -79,9 +97,19 @@ def step_table(targets: dict, ids: list[int], repeats: int) -> dict:
         runs = {k: [] for k in targets}
         for _ in range(repeats):
             for name, t in targets.items():
-                runs[name].append(timed(lambda: step(t, caches[name]), 3))
+                with isa_of(name):
+                    runs[name].append(timed(lambda: step(t, caches[name]), 3))
         out[str(m)] = {k: round(statistics.median(v), 2) for k, v in runs.items()}
     return out
+
+
+def _cpu() -> str:
+    """The CPU's model name and its bf16 / int8 dot-product units (what the kernels' speed depends on)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    units = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
+    return f"{model} ({', '.join(units)})"
 
 
 def main() -> int:
@@ -101,12 +129,16 @@ def main() -> int:
             t.use_rowlinear()
         if "attend" in name:
             t.use_fused_attention()
+        # apply_kernels turns the layer stack on where it can (kernels/layers.cpp); "+layers" says where it runs
+        t.stack = None
+        if "+layers" in name:
+            t.use_layer_stack()
         targets[name] = t
     ids = encode_chat(tok, load_dataset("humaneval", 1)[0][0])
     res = {"linears_ms": linear_table(targets, args.repeats), "target_step_ms": step_table(targets, ids, args.repeats)}
     meta = {"command": " ".join(["bench/kernel_bench.py"] + sys.argv[1:]), "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "prompt_tokens": len(ids),
-            "repeats": args.repeats}
+            "repeats": args.repeats, "rowlinear_isa": isa(), "cpu": _cpu()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernels.json").write_text(json.dumps({"meta": meta, **res}, indent=2) + "\n")
@@ -116,7 +148,8 @@ def main() -> int:
 
 def report(meta: dict, res: dict, out: Path) -> str:
     md = [f"# Linear kernels and target steps (`{meta['command']}`)", "",
-          f"{meta['threads']} threads, torch CPU capability {meta['cpu_capability']}, medians of {meta['repeats']} "
+          f"{meta['cpu']}, {meta['threads']} threads, torch CPU capability {meta['cpu_capability']}, rowlinear's "
+          f"bf16 path: {meta['rowlinear_isa']} (`@avx2`: its 8-lane path forced), medians of {meta['repeats']} "
           "interleaved rounds. ms per call.", "", "## One linear", "",
           "| shape, rows | " + " | ".join(next(iter(res["linears_ms"].values()))) + " |",
           "|---" * (1 + len(next(iter(res["linears_ms"].values())))) + "|"]

@@ -9,7 +9,7 @@ from conftest import assert_invariant_unless_torch_linear_is_not, make_drafter, 
 from dflashkit import DecodeConfig, DFlashEngine
 from dflashkit.errors import DFlashError
 from dflashkit.invariance import measure
-from dflashkit.kernels import RowLinear, available, why_unavailable
+from dflashkit.kernels import RowLinear, available, set_isa, why_unavailable
 from dflashkit.loader import apply_kernels
 
 pytestmark = pytest.mark.skipif(not available(), reason=f"rowlinear kernel unavailable: {why_unavailable()}")
@@ -36,10 +36,21 @@ def test_ggml_blocks_dequantise_as_the_gguf_library_does(kind):
     assert torch.allclose(lin(x, out_fp32=True), x @ ref.T, rtol=1e-4, atol=1e-4)
 
 
+@pytest.fixture(params=["auto", "avx2"])
+def isa(request):
+    """rowlinear's bf16 path as this CPU runs it ("auto": 16-lane bf16 dot products on AVX512-BF16 CPUs) and its
+    8-lane AVX2 path forced, so both are tested on any host."""
+    got = set_isa(request.param)
+    yield got
+    set_isa("auto")
+
+
 @pytest.mark.parametrize("kind", ["bf16", "q4_1", "q8_0", "q4_1-a8", "q8_0-a8"])
 @pytest.mark.parametrize("n_out,k", [(7, 32), (130, 64), (49, 608)])
-def test_rows_are_bit_identical_whatever_the_row_count(kind, n_out, k):
+def test_rows_are_bit_identical_whatever_the_row_count(kind, n_out, k, isa):
     """The property exactness rests on: y[m] has the same bits computed alone, in any block, at any offset."""
+    if kind != "bf16" and isa == "avx2":
+        pytest.skip("the ISA switch concerns the bf16 path only")
     torch.manual_seed(n_out + k)
     w = torch.randn(n_out, k)
     lin = RowLinear.from_bf16(w.bfloat16()) if kind == "bf16" else _ggml(kind.removesuffix("-a8"), w)[0]
@@ -108,7 +119,7 @@ def test_bad_shapes_are_refused():
 def test_lean_with_rowlinear_is_bitwise_batch_invariant(arch, n, prompt, seed):
     t = make_target(arch, torch.bfloat16, backend="lean")
     t.use_rowlinear()
-    assert t.engine_name == "LeanTarget+rowlinear"
+    assert t.engine_name.startswith("LeanTarget+rowlinear.")
     inv = measure(t, n=n, prompt=prompt, seed=seed)
     assert inv.exact and inv.max_diff == 0.0, inv
 
@@ -172,7 +183,7 @@ def test_lean_with_fused_attention_is_bitwise_batch_invariant(arch, n, prompt, s
     t.use_fused_attention()
     assert_invariant_unless_torch_linear_is_not(t, measure(t, n=n, prompt=prompt, seed=seed))
     t.use_rowlinear()
-    assert t.engine_name == "LeanTarget+rowlinear+attend"
+    assert t.engine_name.startswith("LeanTarget+rowlinear.") and t.engine_name.endswith("+attend")
     inv = measure(t, n=n, prompt=prompt, seed=seed)
     assert inv.exact and inv.max_diff == 0.0, inv
 
@@ -204,11 +215,13 @@ def _stacked(arch: str, int4_a8: bool = False):
 @pytest.mark.parametrize("arch", STACKED_ARCHS)
 @pytest.mark.parametrize("int4_a8", [False, True])
 @pytest.mark.parametrize("n,prompt,seed", [(8, 29, 1), (16, 40, 2)])
-def test_layer_stack_is_bitwise_batch_invariant(arch, int4_a8, n, prompt, seed):
+def test_layer_stack_is_bitwise_batch_invariant(arch, int4_a8, n, prompt, seed, isa):
     """All layers in one C++ call: a token's logits have the same bits alone, in a block, in a tree, in a ragged
-    batch, with bf16 and with 4-bit codes on 8-bit activations."""
+    batch, with bf16 (on each of rowlinear's paths) and with 4-bit codes on 8-bit activations."""
+    if int4_a8 and isa == "avx2":
+        pytest.skip("the ISA switch concerns the bf16 path only")
     t = _stacked(arch, int4_a8)
-    assert t.engine_name.endswith("+attend+layers")
+    assert t.engine_name.endswith("+attend+layers") and (int4_a8 or f"rowlinear.{isa}" in t.engine_name)
     inv = measure(t, n=n, prompt=prompt, seed=seed)
     assert inv.exact and inv.max_diff == 0.0, inv
 

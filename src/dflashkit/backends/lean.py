@@ -155,7 +155,11 @@ class LeanTarget(HFTarget):
     @property
     def engine_name(self) -> str:
         """What the exactness self-check's cache is keyed on: the backend AND its kernels."""
-        return (type(self).__name__ + ("" if self.kernel == "torch" else f"+{self.kernel}")
+        from ..kernels import isa
+
+        # rowlinear's bf16 path has one instruction sequence per CPU kind (kernels/rowlinear.cpp): name which ran
+        kernel = f"rowlinear.{isa()}" if self.kernel == "rowlinear" else self.kernel
+        return (type(self).__name__ + ("" if kernel == "torch" else f"+{kernel}")
                 + ("+attend" if self.fused_attention else "") + ("+layers" if self.stack is not None else ""))
 
     def use_fused_attention(self) -> None:

@@ -86,6 +86,21 @@ def load():
     return _state["mod"]
 
 
+def isa() -> str:
+    """The instruction set of rowlinear's bf16 path on this CPU ("avx512bf16" or "avx2"; their bits differ)."""
+    mod = load()
+    return mod.rowlinear_isa() if mod is not None else ""
+
+
+def set_isa(name: str) -> str:
+    """"avx2": rowlinear's bf16 path runs its 8-lane AVX2 code on any CPU (tests of that path on AVX512 hosts, A/B
+    benchmarks); "auto": the best this CPU has. Process-wide; set it before loading targets (it changes bits)."""
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"dflashkit kernels unavailable: {why_unavailable()}")
+    return mod.rowlinear_set_isa(name)
+
+
 def available() -> bool:
     return load() is not None
 

@@ -8,10 +8,14 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor head, torch::Tensor tail,
                      double scale);
 void register_stack(pybind11::module& mod);
+std::string rowlinear_isa();
+std::string rowlinear_set_isa(const std::string& isa);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("rowlinear", &rowlinear, "y = x @ W^T, every row computed alike whatever the row count (rowlinear.cpp)");
   mod.def("qlinear", &qlinear, "y = q8(x) . W^T for Q4_1 / Q8_0 weights, integer dot products, row-invariant");
   mod.def("attend", &attend, "the lean target's attention, row-invariant (attention.cpp)");
+  mod.def("rowlinear_isa", &rowlinear_isa, "which instruction set rowlinear's bf16 path runs on this CPU");
+  mod.def("rowlinear_set_isa", &rowlinear_set_isa, "'avx2' forces rowlinear's 8-lane path, 'auto' undoes it");
   register_stack(mod);  // Stack: a Llama-style target's decoder layers in one call (layers.cpp)
 }

@@ -18,7 +18,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "simd.h"
@@ -101,7 +103,79 @@ inline void buffered_tile(const float* buf, int64_t K, const float* x, int64_t l
     for (int r = 0; r < TILE; ++r) out[i][r] = hsum8(acc[i][r]);
 }
 
+// ---- CPUs with AVX512-BF16: bf16 weights and bf16 activations ----------------------------------------------------
+// Every output element is acc = 0 (16 fp32 lanes); for k = 0, 32, 64, ...: acc = dpbf16(acc, w[k:k+32], x[k:k+32])
+// (lane j adds w[2j] x[2j] + w[2j+1] x[2j+1], the instruction's own rounding); y = hsum16(acc). The instruction
+// multiplies bf16 values exactly; it is 4x the FMA work per instruction of the 8-lane path, which is what a verify
+// block of 16-32 tokens is bound by. Again the same sequence for every element whatever M is: tokens side by side
+// (up to 4) only share the weight loads. Its bits differ from the 8-lane path's, so the engine name says which ran
+// (`isa`).
+#define DFK_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+constexpr int64_t TILE16 = 6;  // 4 tokens x 6 rows = 24 accumulators of the 32 zmm registers
+
+DFK_AVX512BF16 inline float hsum16(__m512 v) {  // fixed order: the two 8-lane halves added, then as hsum8
+  const __m256 lo = _mm512_castps512_ps256(v);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return hsum8(_mm256_add_ps(lo, hi));
+}
+
+// MR tokens (rows of x, stride K) against weight rows `w[r]` (r < TILE16; a row past the matrix repeats the last).
+template <int MR>
+DFK_AVX512BF16 void bf16_tile(const uint16_t* const* w, const uint16_t* x, int64_t K, float out[][TILE16]) {
+  __m512 acc[MR][TILE16];
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < TILE16; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * K + k);
+    for (int r = 0; r < TILE16; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w[r] + k);
+      for (int i = 0; i < MR; ++i) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], wv, xv[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < TILE16; ++r) out[i][r] = hsum16(acc[i][r]);
+}
+
+DFK_AVX512BF16 void rowlinear_bf16_avx512(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K,
+                                          float* yp) {
+  const int64_t tiles = (N + TILE16 - 1) / TILE16;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    float out[4][TILE16];
+    const uint16_t* w[TILE16];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * TILE16, rows = std::min(TILE16, N - n0);
+      for (int64_t r = 0; r < TILE16; ++r) w[r] = wp + (n0 + std::min(r, rows - 1)) * K;
+      int64_t i = 0;
+      for (; i + 4 <= M; i += 4) bf16_tile<4>(w, xp + i * K, K, out), store_tile<TILE16>(yp, N, i, n0, rows, out, 4);
+      const int64_t left = M - i;
+      if (left == 3) bf16_tile<3>(w, xp + i * K, K, out), store_tile<TILE16>(yp, N, i, n0, rows, out, 3);
+      if (left == 2) bf16_tile<2>(w, xp + i * K, K, out), store_tile<TILE16>(yp, N, i, n0, rows, out, 2);
+      if (left == 1) bf16_tile<1>(w, xp + i * K, K, out), store_tile<TILE16>(yp, N, i, n0, rows, out, 1);
+    }
+  });
+}
+
 }  // namespace
+
+namespace {
+bool cpu_has_avx512_bf16() {
+  static const bool yes = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  return yes;
+}
+std::atomic<bool> use_avx2_only{false};  // set by rowlinear_set_isa("avx2"): tests and benchmarks of the 8-lane path
+}  // namespace
+
+// Which instruction set the bf16 x bf16 path runs here: "avx512bf16" or "avx2" (their bits differ).
+std::string rowlinear_isa() { return cpu_has_avx512_bf16() && !use_avx2_only ? "avx512bf16" : "avx2"; }
+
+// "avx2" forces the 8-lane path on any CPU; "auto" picks the best this CPU has. Returns the ISA now in use.
+std::string rowlinear_set_isa(const std::string& isa) {
+  TORCH_CHECK(isa == "auto" || isa == "avx2", "rowlinear_set_isa: 'auto' or 'avx2', not '", isa, "'");
+  use_avx2_only = isa == "avx2";
+  return rowlinear_isa();
+}
 
 torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
                         int64_t n_out, bool out_bf16) {
@@ -115,6 +189,13 @@ torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, t
                              "rowlinear: scales must be fp32 [N, K / 32]");
   if (kind == 1) TORCH_CHECK(m.scalar_type() == torch::kFloat && m.is_contiguous() && m.numel() == N * K / 32,
                              "rowlinear: mins must be fp32 [N, K / 32]");
+  if (kind == 0 && x.scalar_type() == torch::kBFloat16 && rowlinear_isa() == "avx512bf16") {
+    torch::Tensor xb = x.contiguous();
+    torch::Tensor yb = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+    rowlinear_bf16_avx512(reinterpret_cast<const uint16_t*>(xb.data_ptr()),
+                          reinterpret_cast<const uint16_t*>(codes.data_ptr()), M, N, K, yb.data_ptr<float>());
+    return out_bf16 ? round_to_bf16(yb) : yb;
+  }
   torch::Tensor xf = x.to(torch::kFloat).contiguous();  // bf16 -> fp32 is exact
   torch::Tensor yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   const float* xp = xf.data_ptr<float>();
