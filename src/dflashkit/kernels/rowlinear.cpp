@@ -28,6 +28,7 @@
 namespace {
 
 using dflashkit::bf16x8;
+using dflashkit::hsum16;
 using dflashkit::hsum8;
 using dflashkit::round_to_bf16;
 using dflashkit::store_tile;
@@ -114,12 +115,6 @@ inline void buffered_tile(const float* buf, int64_t K, const float* x, int64_t l
 
 constexpr int64_t TILE16 = 6;  // 4 tokens x 6 rows = 24 accumulators of the 32 zmm registers
 
-DFK_AVX512BF16 inline float hsum16(__m512 v) {  // fixed order: the two 8-lane halves added, then as hsum8
-  const __m256 lo = _mm512_castps512_ps256(v);
-  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  return hsum8(_mm256_add_ps(lo, hi));
-}
-
 // MR tokens (rows of x, stride K) against weight rows `w[r]` (r < TILE16; a row past the matrix repeats the last).
 template <int MR>
 DFK_AVX512BF16 void bf16_tile(const uint16_t* const* w, const uint16_t* x, int64_t K, float out[][TILE16]) {
@@ -164,16 +159,18 @@ bool cpu_has_avx512_bf16() {
   static const bool yes = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
   return yes;
 }
-std::atomic<bool> use_avx2_only{false};  // set by rowlinear_set_isa("avx2"): tests and benchmarks of the 8-lane path
 }  // namespace
 
-// Which instruction set the bf16 x bf16 path runs here: "avx512bf16" or "avx2" (their bits differ).
-std::string rowlinear_isa() { return cpu_has_avx512_bf16() && !use_avx2_only ? "avx512bf16" : "avx2"; }
+std::atomic<bool> dflashkit_avx2_only{false};  // set by rowlinear_set_isa("avx2"): tests, A/B benchmarks
 
-// "avx2" forces the 8-lane path on any CPU; "auto" picks the best this CPU has. Returns the ISA now in use.
+// Which instruction set the bf16 x bf16 path runs here: "avx512bf16" or "avx2" (their bits differ).
+std::string rowlinear_isa() { return cpu_has_avx512_bf16() && !dflashkit_avx2_only ? "avx512bf16" : "avx2"; }
+
+// "avx2" forces the 8-lane paths of rowlinear AND qlinear on any CPU; "auto" picks the best this CPU has. Returns
+// rowlinear's ISA now in use.
 std::string rowlinear_set_isa(const std::string& isa) {
   TORCH_CHECK(isa == "auto" || isa == "avx2", "rowlinear_set_isa: 'auto' or 'avx2', not '", isa, "'");
-  use_avx2_only = isa == "avx2";
+  dflashkit_avx2_only = isa == "avx2";
   return rowlinear_isa();
 }
 

@@ -20,6 +20,13 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The fixed horizontal sum of a 16-lane accumulator (AVX-512 paths only): the two 8-lane halves added, then hsum8.
+__attribute__((target("avx512f"))) inline float hsum16(__m512 v) {
+  const __m256 lo = _mm512_castps512_ps256(v);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return hsum8(_mm256_add_ps(lo, hi));
+}
+
 // 8 bf16 -> 8 fp32 (exact: a bf16 is the top half of an fp32).
 inline __m256 bf16x8(const void* p) {
   return _mm256_castsi256_ps(
