@@ -157,9 +157,8 @@ class LeanTarget(HFTarget):
         """What the exactness self-check's cache is keyed on: the backend AND its kernels."""
         from ..kernels import isa
 
-        # rowlinear's bf16 path and qlinear have one instruction sequence per CPU kind (their bits differ): name it
-        kernel = {"rowlinear": f"rowlinear.{isa()}", "int4-a8": f"int4-a8.{isa('qlinear')}"}.get(self.kernel,
-                                                                                               self.kernel)
+        # rowlinear's bf16 path has one instruction sequence per CPU kind (their bits differ): name which ran
+        kernel = f"rowlinear.{isa()}" if self.kernel == "rowlinear" else self.kernel
         return (type(self).__name__ + ("" if kernel == "torch" else f"+{kernel}")
                 + ("+attend" if self.fused_attention else "") + ("+layers" if self.stack is not None else ""))
 

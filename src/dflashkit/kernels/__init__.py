@@ -86,17 +86,14 @@ def load():
     return _state["mod"]
 
 
-def isa(kernel: str = "rowlinear") -> str:
-    """The instruction set a kernel runs on this CPU (their bits differ): rowlinear's bf16 path "avx512bf16" or
-    "avx2", qlinear (8-bit activations) "avx512vnni" or "avx2"."""
+def isa() -> str:
+    """The instruction set of rowlinear's bf16 path on this CPU ("avx512bf16" or "avx2"; their bits differ)."""
     mod = load()
-    if mod is None:
-        return ""
-    return mod.qlinear_isa() if kernel == "qlinear" else mod.rowlinear_isa()
+    return mod.rowlinear_isa() if mod is not None else ""
 
 
 def set_isa(name: str) -> str:
-    """"avx2": rowlinear's bf16 path and qlinear run their 8-lane AVX2 code on any CPU (tests of that path on AVX512 hosts, A/B
+    """"avx2": rowlinear's bf16 path runs its 8-lane AVX2 code on any CPU (tests of that path on AVX512 hosts, A/B
     benchmarks); "auto": the best this CPU has. Process-wide; set it before loading targets (it changes bits)."""
     mod = load()
     if mod is None:

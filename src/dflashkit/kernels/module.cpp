@@ -10,7 +10,6 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
 void register_stack(pybind11::module& mod);
 std::string rowlinear_isa();
 std::string rowlinear_set_isa(const std::string& isa);
-std::string qlinear_isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("rowlinear", &rowlinear, "y = x @ W^T, every row computed alike whatever the row count (rowlinear.cpp)");
@@ -18,6 +17,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("attend", &attend, "the lean target's attention, row-invariant (attention.cpp)");
   mod.def("rowlinear_isa", &rowlinear_isa, "which instruction set rowlinear's bf16 path runs on this CPU");
   mod.def("rowlinear_set_isa", &rowlinear_set_isa, "'avx2' forces rowlinear's 8-lane path, 'auto' undoes it");
-  mod.def("qlinear_isa", &qlinear_isa, "which instruction set qlinear runs on this CPU");
   register_stack(mod);  // Stack: a Llama-style target's decoder layers in one call (layers.cpp)
 }

@@ -18,17 +18,14 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <string>
 #include <vector>
 
 #include "simd.h"
 
 namespace {
 
-using dflashkit::hsum16;
 using dflashkit::hsum8;
 using dflashkit::round_to_bf16;
 using dflashkit::store_tile;
@@ -125,88 +122,7 @@ inline void tile(const QWeights& W, const int64_t* n, const QActs& X, int64_t t0
     for (int r = 0; r < NR; ++r) out[t][r] = hsum8(acc[t][r]) + macc[t][r];
 }
 
-// ---- CPUs with AVX512-VNNI ----------------------------------------------------------------------------------
-// Two blocks per instruction: the 64 products of blocks b, b + 1 go through one `dpbusd` (unsigned weights x signed
-// activations, 4 products per int32 lane, exact) into 16 lanes, lanes 0-7 block b and 8-15 block b + 1; then
-// acc = fma(float(lanes), [d_w d_x of b] x 8 ++ [d_w d_x of b + 1] x 8, acc) (16 lanes); an odd last block runs alone
-// in the low half (the high half adds exact zeros). Q8_0's signed weights enter as w + 128 (unsigned) and the exact
-// 128 * sum(x) of each lane is subtracted in int32. The Q4_1 minimum's scalar chain is as above; y = hsum16(acc) +
-// macc. Per element again one sequence whatever M is; its bits differ from the AVX2 path's (the engine name says
-// which ran).
-#define DFK_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
-
-// Blocks b (and b + 1 when `two`) of weight row n as 64 unsigned bytes in element order.
-DFK_AVX512VNNI inline __m512i unpack2(const QWeights& W, int64_t n, int64_t b, bool two) {
-  const uint8_t* row = W.codes + n * W.row_bytes;
-  if (W.kind == 1) {  // [lo(b), hi(b), lo(b + 1), hi(b + 1)]: 16 bytes each
-    const __m256i c = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * b))
-                          : _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b)));
-    const __m256i lo = _mm256_and_si256(c, _mm256_set1_epi8(0x0f));
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), _mm256_set1_epi8(0x0f));
-    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // [lo(b), lo(b+1), hi(b), hi(b+1)]
-    const __m512i w = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
-    return two ? w : _mm512_maskz_mov_epi64(0x0f, w);  // one block: the high half zero
-  }
-  const __mmask64 keep = two ? ~0ULL : 0xffffffffULL;
-  const __m512i q = _mm512_maskz_loadu_epi8(keep, row + 32 * b);
-  return _mm512_maskz_xor_epi64(two ? 0xff : 0x0f, q, _mm512_set1_epi8(static_cast<char>(0x80)));  // w + 128
-}
-
-template <int MR>
-DFK_AVX512VNNI void tile16(const QWeights& W, const int64_t* n, const QActs& X, int64_t t0, float out[][NR]) {
-  __m512 acc[MR][NR];
-  float macc[MR][NR];
-  for (int t = 0; t < MR; ++t)
-    for (int r = 0; r < NR; ++r) acc[t][r] = _mm512_setzero_ps(), macc[t][r] = 0.0f;
-  for (int64_t b = 0; b < W.nb; b += 2) {
-    const bool two = b + 1 < W.nb;
-    const __mmask64 keep = two ? ~0ULL : 0xffffffffULL;
-    __m512i xq[MR], corr[MR];
-    __m512 dx[MR];
-    for (int t = 0; t < MR; ++t) {
-      const int64_t row = t0 + t;
-      xq[t] = _mm512_maskz_loadu_epi8(keep, X.q + row * X.K + 32 * b);
-      // q8_0: 128 * (the 4 activations of each lane), exact; subtracted from the w + 128 products
-      corr[t] = W.kind == 2 ? _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1),
-                                                                    xq[t]), 7)
-                            : _mm512_setzero_si512();
-      dx[t] = _mm512_insertf32x8(_mm512_set1_ps(X.d[row * X.nb + b]),
-                                 _mm256_set1_ps(two ? X.d[row * X.nb + b + 1] : 0.0f), 1);
-    }
-    for (int r = 0; r < NR; ++r) {
-      const __m512i w = unpack2(W, n[r], b, two);
-      const float* dw = W.d + n[r] * W.nb + b;
-      const __m512 dwv = _mm512_insertf32x8(_mm512_set1_ps(dw[0]), _mm256_set1_ps(two ? dw[1] : 0.0f), 1);
-      for (int t = 0; t < MR; ++t) {
-        const __m512i isum = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xq[t]), corr[t]);
-        acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dwv, dx[t]), acc[t][r]);
-      }
-      if (W.kind == 1) {
-        const float* mw = W.m + n[r] * W.nb + b;
-        for (int t = 0; t < MR; ++t) {
-          const float* sx = X.s + (t0 + t) * X.nb + b;
-          macc[t][r] = std::fma(mw[0], sx[0], macc[t][r]);
-          if (two) macc[t][r] = std::fma(mw[1], sx[1], macc[t][r]);
-        }
-      }
-    }
-  }
-  for (int t = 0; t < MR; ++t)
-    for (int r = 0; r < NR; ++r) out[t][r] = hsum16(acc[t][r]) + macc[t][r];
-}
-
-bool cpu_has_avx512_vnni() {
-  static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return yes;
-}
-
 }  // namespace
-
-extern std::atomic<bool> dflashkit_avx2_only;
-
-// Which instruction set qlinear runs here: "avx512vnni" or "avx2" (their bits differ).
-std::string qlinear_isa() { return cpu_has_avx512_vnni() && !dflashkit_avx2_only ? "avx512vnni" : "avx2"; }
 
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
                       int64_t n_out, bool out_bf16) {
@@ -235,23 +151,6 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
   const QActs X{xq.data(), xd.data(), xs.data(), K, nb};
   const int64_t tiles = (N + NR - 1) / NR;
   // Threads split the weight rows: each output element is computed whole by one thread.
-  if (qlinear_isa() == "avx512vnni") {
-    at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t z) {
-      float out[4][NR];
-      for (int64_t tt = a; tt < z; ++tt) {
-        const int64_t n0 = tt * NR, rows = std::min(NR, N - n0);
-        int64_t n[NR];
-        for (int r = 0; r < NR; ++r) n[r] = n0 + std::min<int64_t>(r, rows - 1);
-        int64_t i = 0;
-        for (; i + 4 <= M; i += 4) tile16<4>(W, n, X, i, out), store_tile<NR>(yp, N, i, n0, rows, out, 4);
-        const int64_t left = M - i;
-        if (left == 3) tile16<3>(W, n, X, i, out), store_tile<NR>(yp, N, i, n0, rows, out, 3);
-        if (left == 2) tile16<2>(W, n, X, i, out), store_tile<NR>(yp, N, i, n0, rows, out, 2);
-        if (left == 1) tile16<1>(W, n, X, i, out), store_tile<NR>(yp, N, i, n0, rows, out, 1);
-      }
-    });
-    return out_bf16 ? round_to_bf16(yf) : yf;
-  }
   at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t z) {
     float out[2][NR];
     for (int64_t tt = a; tt < z; ++tt) {

@@ -161,13 +161,12 @@ bool cpu_has_avx512_bf16() {
 }
 }  // namespace
 
-std::atomic<bool> dflashkit_avx2_only{false};  // set by rowlinear_set_isa("avx2"): tests, A/B benchmarks
+static std::atomic<bool> dflashkit_avx2_only{false};  // set by rowlinear_set_isa("avx2"): tests, A/B benchmarks
 
 // Which instruction set the bf16 x bf16 path runs here: "avx512bf16" or "avx2" (their bits differ).
 std::string rowlinear_isa() { return cpu_has_avx512_bf16() && !dflashkit_avx2_only ? "avx512bf16" : "avx2"; }
 
-// "avx2" forces the 8-lane paths of rowlinear AND qlinear on any CPU; "auto" picks the best this CPU has. Returns
-// rowlinear's ISA now in use.
+// "avx2" forces the 8-lane path on any CPU; "auto" picks the best this CPU has. Returns the ISA now in use.
 std::string rowlinear_set_isa(const std::string& isa) {
   TORCH_CHECK(isa == "auto" || isa == "avx2", "rowlinear_set_isa: 'auto' or 'avx2', not '", isa, "'");
   dflashkit_avx2_only = isa == "avx2";
