@@ -175,8 +175,8 @@ class LeanTarget(HFTarget):
         """Why the decoder layers cannot run as one C++ call (`use_layer_stack`), or "" where they can."""
         if not self.fused_attention or self.kernel == "torch":
             return "it needs our linear and attention kernels (--kernel rowlinear or --quant)"
-        if architecture_of(self.model) not in STACKED:
-            return f"{architecture_of(self.model)} layers are not Llama-style"
+        if self.architecture not in STACKED:
+            return f"{self.architecture} layers are not Llama-style"
         if {layer.attn_type for layer in self._layers} != {"full_attention"}:
             return "it has sliding-window layers"
         if getattr(self.config, "hidden_act", None) not in ("silu", "swish"):

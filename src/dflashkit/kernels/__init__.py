@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(n) for n in ("module.cpp", "rowlinear.cpp", "qlinear.cpp", "attention.cpp",
                                                   "layers.cpp")]
-HEADERS = [Path(__file__).with_name("simd.h")]
+HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "ops.h")]
 KINDS = {"bf16": 0, "q4_1": 1, "q8_0": 2}
 _state: dict = {}
 

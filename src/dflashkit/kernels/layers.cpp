@@ -22,14 +22,8 @@
 #include <cstring>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
-
-torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
-                        int64_t n_out, bool out_bf16);
-torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
-                      int64_t n_out, bool out_bf16);
-torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor head, torch::Tensor tail,
-                     double scale);
 
 namespace {
 

@@ -1,15 +1,7 @@
 // The Python module of our CPU kernels (one extension, built by kernels/__init__.py).
 #include <torch/extension.h>
 
-torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
-                        int64_t n_out, bool out_bf16);
-torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
-                      int64_t n_out, bool out_bf16);
-torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor head, torch::Tensor tail,
-                     double scale);
-void register_stack(pybind11::module& mod);
-std::string rowlinear_isa();
-std::string rowlinear_set_isa(const std::string& isa);
+#include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("rowlinear", &rowlinear, "y = x @ W^T, every row computed alike whatever the row count (rowlinear.cpp)");

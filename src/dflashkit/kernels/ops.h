@@ -1,0 +1,19 @@
+// The kernels' entry points, declared once: module.cpp binds them to Python, layers.cpp calls them per layer.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <string>
+
+// y = x @ W^T, every row computed alike whatever the row count (rowlinear.cpp)
+torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
+                        int64_t n_out, bool out_bf16);
+// y = q8(x) . W^T for Q4_1 / Q8_0 weights, integer dot products, row-invariant (qlinear.cpp)
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
+                      int64_t n_out, bool out_bf16);
+// the lean target's attention, row-invariant (attention.cpp)
+torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor head, torch::Tensor tail,
+                     double scale);
+std::string rowlinear_isa();
+std::string rowlinear_set_isa(const std::string& isa);
+void register_stack(pybind11::module& mod);  // layers.cpp
