@@ -213,6 +213,7 @@ class LeanTarget(HFTarget):
         for layer in self._layers:
             for name in ("wqkv", "wgu", "wo", "wdown"):
                 setattr(layer, name, RowLinear.from_bf16(getattr(layer, name)))
+        self.stack = None  # it held the old weights: build it again after the linears change (`use_layer_stack`)
         self.head = RowLinear.from_bf16(self.lm_head_weight)
         self.kernel = "rowlinear"
 
@@ -265,7 +266,7 @@ class LeanTarget(HFTarget):
             cos, sin = (c[positions] for c in self._rope["full_attention"])  # [B, Q, hd]
             x, feats = self.stack.forward(x, cos, sin, cache.keys, cache.values, slots, sp.head_vis, sp.tail_slot,
                                           list(self.tap_ids) if taps else [])
-            return self.norm(x), (feats if taps else None)
+            return self.norm(x), (feats if taps and self.tap_ids else None)
         tapped = {}
         want = set(self.tap_ids) if taps else set()
         rope = {t: tuple(c[positions][:, :, None] for c in cs) for t, cs in self._rope.items()}  # [B, Q, 1, hd]

@@ -72,6 +72,7 @@ def attach_gguf_codes(target, gguf_path: str | Path, int8_acts: bool = False) ->
         layer.wo = get("o", a.o_proj.weight)
         layer.wgu = RowLinear.cat([get("gate", m.gate_proj.weight), get("up", m.up_proj.weight)])
         layer.wdown = get("down", m.down_proj.weight)
+    target.stack = None  # a layer stack holds the old weights: build it again after this (`use_layer_stack`)
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     target.head = codes(head, target.lm_head_weight)
     target.kernel = "int4-a8" if int8_acts else "int4"
