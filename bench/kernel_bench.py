@@ -1,7 +1,8 @@
 """Linear kernels and target steps on the real target, side by side in one run: torch's bf16 `F.linear`, our
 row-invariant `rowlinear` kernel on the same bf16 weights, and on the GGUF's own Q4_1 codes (`--quant int4`);
 then the whole target step (forward + LM head) of HF eager, lean, lean + rowlinear, + the fused attention
-(kernels/attention.cpp), + the layer stack (all layers in one C++ call, kernels/layers.cpp), and the int4 targets (fp32 products; 8-bit activations with integer dot products,
+(kernels/attention.cpp), + the layer stack (all layers in one C++ call, kernels/layers.cpp; also with rowlinear's
+AVX2 path forced, `@avx2`), and the int4 targets (fp32 products; 8-bit activations with integer dot products,
 kernels/qlinear.cpp) at 1 / 4 / 16 / 32 tokens (one-token decoding and verify blocks).
 
     .venv/bin/python bench/kernel_bench.py --out bench/results/kernels
