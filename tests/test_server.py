@@ -57,13 +57,22 @@ def test_eight_concurrent_clients_get_what_they_get_alone(server, client):
 
 
 def post(server, body: bytes | str, path="/v1/chat/completions"):
+    """(status, the JSON body; for a streamed answer the list of its events' JSON)."""
     req = urllib.request.Request(server["url"] + path, data=body if isinstance(body, bytes) else body.encode(),
                                  headers={"content-type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read() or b"{}")
+            return r.status, _decoded(r)
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+        return e.code, _decoded(e)
+
+
+def _decoded(r):
+    raw = r.read()
+    if r.headers.get("content-type", "").startswith("text/event-stream"):  # a valid body may ask to stream
+        lines = raw.decode().splitlines()
+        return [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ") and ln != "data: [DONE]"]
+    return json.loads(raw or b"{}")
 
 
 @pytest.mark.parametrize("body", [

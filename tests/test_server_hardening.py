@@ -303,7 +303,7 @@ def test_api_key_and_startup_errors(server):
 
 
 def test_fuzzed_full_range_bodies_never_yield_5xx(server):
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, example, given, settings
     from hypothesis import strategies as st
 
     huge = st.one_of(st.integers(), st.integers(-(2 ** 80), 2 ** 80), st.sampled_from([2 ** 63, 2 ** 64, -(2 ** 63) - 1]))
@@ -322,6 +322,7 @@ def test_fuzzed_full_range_bodies_never_yield_5xx(server):
 
     @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
     @given(body)
+    @example({"messages": [{"role": "user", "content": ""}], "stream": True})  # valid and streamed: found by the fuzzer
     def check(b):
         b.setdefault("max_tokens", 3)  # keep the valid ones short
         status, _ = post(server, json.dumps(b).encode())
