@@ -234,8 +234,9 @@ def apply_kernels(target, target_dir: Path, kernel: str = "auto", quant: str | N
     # Our kernels come together: the attention too is one row-invariant C++ call per layer (bench/results/kernels:
     # with it a 16-token verify costs ~1.8x a one-token step here, without it ~2.5x, with torch's kernels ~5x).
     target.use_fused_attention()
-    # ... and a Llama-style target's layers run as one C++ call per forward (kernels/layers.cpp; the demo step on
-    # the AVX512 EPYC: 36 -> 23 ms in bf16, 22 -> 13 ms with int4-a8). Other architectures keep the per-op forward.
+    # ... and a Llama-style target's layers run as one C++ call per forward (kernels/layers.cpp; bench/results/kernels,
+    # one-token step on the same kernels: 29.5 -> 22.7 ms in bf16, 19.6 -> 11.6 with int4-a8). Other architectures
+    # keep the per-op forward.
     why = target.stack_unsupported()
     if why:
         log.info("layer stack not used: %s; the per-op forward runs the layers", why)

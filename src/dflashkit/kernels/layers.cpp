@@ -116,10 +116,9 @@ class Stack {
                 "Stack.forward: cos / sin [B, Q, hd] and slots [B, Q] int64");
     cos = cos.contiguous(), sin = sin.contiguous(), slots = slots.contiguous();
     const int64_t T = keys.empty() ? 0 : keys[0].size(2);
-    for (int64_t r = 0; r < M; ++r) {  // checked here, not inside the threads that write the cache
-      const int64_t slot = slots.data_ptr<int64_t>()[r];
-      TORCH_CHECK(slot >= 0 && slot < T, "Stack.forward: slot ", slot, " lies outside the cache (", T, " slots)");
-    }
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    for (int64_t r = 0; r < M; ++r)  // checked here, not inside the threads that write the cache
+      TORCH_CHECK(sp[r] >= 0 && sp[r] < T, "Stack.forward: slot ", sp[r], " lies outside the cache (", T, " slots)");
     x = x.reshape({M, H}).contiguous().clone();
     torch::Tensor feats = torch::empty({M, static_cast<int64_t>(taps.size()) * H}, x.options());
     torch::Tensor h = torch::empty({M, H}, x.options());
@@ -145,8 +144,6 @@ class Stack {
     }
     return {x.view({B, Q, H}), feats.view({B, Q, -1})};
   }
-
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
   void norm_rows(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y) const {
@@ -232,6 +229,5 @@ void register_stack(pybind11::module& mod) {
   py::class_<Stack>(mod, "Stack")
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &Stack::add_layer)
-      .def("forward", &Stack::forward)
-      .def_property_readonly("num_layers", &Stack::num_layers);
+      .def("forward", &Stack::forward);
 }

@@ -152,24 +152,23 @@ DFK_AVX512BF16 void rowlinear_bf16_avx512(const uint16_t* xp, const uint16_t* wp
   });
 }
 
-}  // namespace
+std::atomic<bool> avx2_only{false};  // set by rowlinear_set_isa("avx2"): tests, A/B benchmarks
 
-namespace {
-bool cpu_has_avx512_bf16() {
-  static const bool yes = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
-  return yes;
+// Does the bf16 x bf16 path run the 16-lane AVX512-BF16 code here (checked on every call: a bool, not a string)?
+bool bf16_dot_path() {
+  static const bool cpu = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  return cpu && !avx2_only;
 }
-}  // namespace
 
-static std::atomic<bool> dflashkit_avx2_only{false};  // set by rowlinear_set_isa("avx2"): tests, A/B benchmarks
+}  // namespace
 
 // Which instruction set the bf16 x bf16 path runs here: "avx512bf16" or "avx2" (their bits differ).
-std::string rowlinear_isa() { return cpu_has_avx512_bf16() && !dflashkit_avx2_only ? "avx512bf16" : "avx2"; }
+std::string rowlinear_isa() { return bf16_dot_path() ? "avx512bf16" : "avx2"; }
 
 // "avx2" forces the 8-lane path on any CPU; "auto" picks the best this CPU has. Returns the ISA now in use.
 std::string rowlinear_set_isa(const std::string& isa) {
   TORCH_CHECK(isa == "auto" || isa == "avx2", "rowlinear_set_isa: 'auto' or 'avx2', not '", isa, "'");
-  dflashkit_avx2_only = isa == "avx2";
+  avx2_only = isa == "avx2";
   return rowlinear_isa();
 }
 
@@ -185,7 +184,7 @@ torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, t
                              "rowlinear: scales must be fp32 [N, K / 32]");
   if (kind == 1) TORCH_CHECK(m.scalar_type() == torch::kFloat && m.is_contiguous() && m.numel() == N * K / 32,
                              "rowlinear: mins must be fp32 [N, K / 32]");
-  if (kind == 0 && x.scalar_type() == torch::kBFloat16 && rowlinear_isa() == "avx512bf16") {
+  if (kind == 0 && x.scalar_type() == torch::kBFloat16 && bf16_dot_path()) {
     torch::Tensor xb = x.contiguous();
     torch::Tensor yb = torch::empty({M, N}, x.options().dtype(torch::kFloat));
     rowlinear_bf16_avx512(reinterpret_cast<const uint16_t*>(xb.data_ptr()),
