@@ -11,7 +11,7 @@ from conftest import make_drafter, make_target
 from dflashkit import DecodeConfig, DFlashEngine, DFlashError
 from dflashkit.lookup import LookupParams
 from dflashkit.batch import SeqState
-from dflashkit.policy import ANCHOR, PROBE_BUDGET, Acceptance, AdaptivePolicy, _row_factor, best_cut
+from dflashkit.policy import ANCHOR, PLAIN_MAX, PROBE_BUDGET, Acceptance, AdaptivePolicy, _row_factor, best_cut
 from dflashkit.step_cost import DRAFT_GRID, VERIFY_GRID, CostModel, load_or_calibrate
 from dflashkit.tree import accept, build, prune, topk_tree
 from test_engine import PROMPTS, check_caches_while_decoding, reference_runs, with_oracle
@@ -72,6 +72,19 @@ def test_cost_model_interpolates_extrapolates_and_learns():
     frozen = CostModel([1.0] * len(VERIFY_GRID), 0.0, [1.0] * 3, learn=False)
     frozen.observe(8, 0, 1, 1e6)
     assert frozen.verify(8, 0) == 1.0
+
+
+def test_a_noisy_calibration_never_makes_a_wider_pass_look_free():
+    """Timing noise only adds time: the model keeps the points' lower convex hull, so one slow point cannot make
+    the next width free (24.0 ms at 4 tokens, 23.9 at 8 was measured) and the width factor has a difference to
+    scale."""
+    c = CostModel([15.9, 17.5, 24.0, 23.9, 34.8, 72.8, 128.6], 0.0, [10.0, 30.0, 40.0])
+    assert c.verify_ms[0] == 15.9 and c.verify_ms[3] == 23.9 and c.verify_ms[-1] == 128.6  # points on the hull
+    steps = np.diff(c.verify_ms) / np.diff(VERIFY_GRID)
+    assert np.all(steps > 0) and np.all(np.diff(steps) >= -1e-3)  # increasing and convex (to the rounding)
+    assert c.pass_ms(4, 2, 0) - c.pass_ms(4, 1, 0) > 4.0  # not ~0 as the raw points said
+    assert c.draft_ms == [10.0, 16.0, 40.0]  # the drafter's points too (a concave middle point is lowered)
+    assert CostModel(list(c.verify_ms), 0.0, [5.0] * 3).verify_ms == c.verify_ms  # idempotent
 
 
 def test_the_cost_of_a_wide_pass_is_learned_per_batch_size():
@@ -231,3 +244,44 @@ def test_a_row_whose_drafts_fail_is_predicted_lower():
     low = _row_factor(s)
     s.draft_pred, s.draft_hit = 4.0, 6.0
     assert 0.25 <= low < 0.5 and _row_factor(s) == 1.0  # a row doing better than predicted is not boosted
+
+
+def test_looking_stops_where_it_never_pays_and_resumes_where_it_does():
+    """A look (lookup + cut) costs host time. Where every look chooses the AR step, the policy takes plain steps
+    between looks (runs of 1, 2, 4, then PLAIN_MAX); a look whose lookup pays ends the run at once."""
+    c = CostModel([10.0 + 0.5 * n for n in VERIFY_GRID], 0.0, [5.0, 8.0, 20.0], learn=False)
+    pol, batch = AdaptivePolicy(c), _Batch(4, 100)
+    looked = []
+    for _ in range(200):
+        look = pol.looks(batch)
+        looked.append(look)
+        if look:
+            pol.choose_lookup(batch, [[]] * 4, [0] * 4)  # nothing to copy: the AR step, worth 0
+    gaps = np.diff(np.flatnonzero(looked)) - 1  # plain steps between looks
+    assert gaps[:4].tolist() == [1, 2, 4, PLAIN_MAX] and set(gaps[4:].tolist()) == {PLAIN_MAX}
+    assert pol.skipped >= 170  # plain steps count toward the drafter's probe
+    while not pol.looks(batch):
+        pass
+    pol.choose_lookup(batch, [[5] * 8] * 4, [4] * 4)  # a long match: verifying it is worth far more than a look
+    assert pol.plain_left == 0 and all(pol.looks(batch) for _ in range(3))
+
+
+def test_plain_steps_keep_greedy_output_and_caches_exact(arch):
+    """Forced to plain steps between looks (a look priced at 1e9 ms), the output still equals AR and the drafter's
+    cache still holds the committed context whenever it runs."""
+    t = make_target(arch)
+    dr = make_drafter(t, block_size=4)
+    config = DecodeConfig(block_size=4, policy="adaptive", lookup=LookupParams(max_tokens=4))
+    eng = DFlashEngine(t, dr, eos_token_ids=[], config=config, cost=cost(10.0, 1.0, 12.0))
+    ar, ref = reference_runs(eng, PROMPTS, 30)
+    with_oracle(eng, ref, keep=0.7)
+    pol = eng.policy(eng.resolve(config))
+    pol.look_value, pol.look_ms = 0.0, 1e9
+    checked, steps = check_caches_while_decoding(eng, t, dr, PROMPTS, 30)
+    tokens = [[] for _ in PROMPTS]
+    for step in steps:
+        for o in step:
+            tokens[o.index] += o.tokens
+    assert tokens == [g.tokens for g in ar]
+    st = pol.stats.summary()
+    assert st["plain_steps"] >= 0.5 * st["steps"] and checked["draft"] >= 1

@@ -259,8 +259,12 @@ class DecodeBatch:
         """The step's draft tree: the lookup branch merged into the drafter's chain or tree (either may be empty),
         cut to what the policy finds worth verifying. A step that skips the drafter leaves its pending features
         for its next forward (`DraftState`)."""
+        pol = self.policy
+        if not pol.looks(self):  # a plain AR step, decided before any host work: the anchor alone
+            none = self.anchor[:, None][:, :0]
+            return build(self.anchor, None, none, none.sum(1))
         branch, branch_len, matched, props = self.lookup.propose(self.seqs, self.target.device)
-        draft, pol = None, self.policy
+        draft = None
         if (self.drafter is not None and not self.lookup.skips_drafter(matched, self.seqs)
                 and pol.wants_drafter(self, props, matched)):
             draft = self.drafter.propose(self.dstate, DraftView(self.anchor, self.start, max(self.starts), self.seqs),

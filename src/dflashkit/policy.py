@@ -15,6 +15,8 @@ that depends on the machine, the batch size, the context length and how well the
   back-off probes so it can find out it pays again); after drafting, keeps the nodes worth more than a threshold
   chosen to maximise committed tokens per millisecond of the whole batch (`best_cut`). Keeping only the anchor is
   a plain AR step, always among the choices: by its own model the policy never picks a step slower than AR.
+  Looking costs host time too (the lookup, the cut): where recent looks found nothing worth their measured cost,
+  the next steps are plain AR steps without looking (`looks`: 1, 2, 4 then 8 steps between looks).
   Exact by construction: it only chooses which nodes are verified, from the drafter, the lookup and the past (never
   from this step's target samples); verification and commit are unchanged (`tree.py`).
 - `FixedPolicy`: today's shape, every step (`--policy fixed`).
@@ -23,6 +25,7 @@ that depends on the machine, the batch size, the context length and how well the
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -142,6 +145,7 @@ class PolicyStats:
 
     steps: int = 0
     drafter_steps: int = 0  # steps that ran the drafter
+    plain_steps: int = 0  # steps taken as plain AR steps without looking (`AdaptivePolicy.looks`)
     rows: int = 0  # live rows summed over steps
     nodes: int = 0  # draft nodes verified (live rows, the anchor not counted)
     width: int = 0  # verify pass widths summed over steps
@@ -156,6 +160,7 @@ class PolicyStats:
     def summary(self) -> dict:
         s = max(self.steps, 1)
         return {**asdict(self), "drafter_fraction": round(self.drafter_steps / s, 4),
+                "plain_fraction": round(self.plain_steps / s, 4),
                 "nodes_per_row": round(self.nodes / max(self.rows, 1), 3), "mean_width": round(self.width / s, 3)}
 
 
@@ -177,12 +182,16 @@ class Plan:
     matched: list  # per row: its match length
     factor: list  # per row: `_row_factor` when chosen
     draft_in: tuple = (0, 0)  # the drafter's (context, pending features)
+    looked: bool = True  # False: a plain step taken without looking
 
 
 class FixedPolicy:
     """Every step drafts and verifies the configured shape (`--policy fixed`)."""
 
     adaptive = False
+
+    def looks(self, batch) -> bool:
+        return True
 
     def wants_drafter(self, batch, props, matched) -> bool:
         return True
@@ -206,6 +215,11 @@ PROBE_MIN, PROBE_MAX = 4, 64  # steps between probes of a drafter that stopped p
 # steps, ~2.5 % of its time, inside a +-5 % acceptance margin; a drafter that pays shows it through `judged`.
 PROBE_BUDGET = 0.01
 ROW_PRIOR, ROW_DECAY = 3.0, 0.9  # a row's own correction (`_row_factor`): pseudo-nodes, and the history's decay
+# Plain steps between looks once looking stops paying (`looks`): doubled per look that still did not pay, up to
+# PLAIN_MAX; LOOK_DECAY: the weight of the past in the looks' value and cost (EMA per looked step). Why a cap of 8:
+# a copy that starts is found at most 8 steps late, while at batch 16 a look (lookup + cut, ~1.5 ms of a ~50 ms
+# step, 3 %) then costs a ninth of that.
+PLAIN_MAX, LOOK_DECAY = 8, 0.7
 
 
 def _row_factor(seq) -> float:
@@ -238,6 +252,10 @@ class AdaptivePolicy:
         self._no_draft_rate = 0.0
         self._draft_in = (0, 0)  # this step's drafter input: (context, pending features), for the cost model
         self._look: tuple | None = None  # this step's lookup values and their best cut (`wants_drafter`)
+        # What a look (lookup + cut) is worth and costs, ms per looked step (EMA; `looks`): the value starts high,
+        # so the first steps look; plain_left: plain steps still to take; plain_span: the next run's length.
+        self.look_value, self.look_ms, self.plain_left, self.plain_span = math.inf, 0.0, 0, 1
+        self._t_look = 0.0
 
     def _cost_of(self, batch):
         rows, ctx = len(batch.seqs), max(batch.starts)
@@ -254,6 +272,37 @@ class AdaptivePolicy:
         v = np.full((len(seqs), 1 + k), ANCHOR)
         v[:, 1:] = np.where(j[None] <= lens[:, None], vals, -np.inf)
         return v
+
+    def looks(self, batch) -> bool:
+        """Whether this step looks (lookup, drafter decision, cut) or is a plain AR step straight away: it looks
+        unless the recent looks were worth less than they cost (`_learn_look`) and a run of plain steps is under way.
+        Exact either way: a plain step is the AR step (the anchor alone). Plain steps count toward the drafter's
+        probe (`skipped`)."""
+        if self.plain_left > 0:
+            self.plain_left -= 1
+            self.skipped += 1
+            self._plan = Plan(kept=[np.zeros(1, dtype=np.int64)] * len(batch.seqs), own=np.zeros((len(batch.seqs), 1)),
+                              p=None, m=0, width=1, drafted=False, rows=len(batch.seqs), ctx=max(batch.starts),
+                              live=sum(not s.finished for s in batch.seqs), props=[[]] * len(batch.seqs),
+                              matched=[0] * len(batch.seqs), factor=[1.0] * len(batch.seqs), looked=False)
+            return False
+        self._t_look = time.perf_counter()
+        return True
+
+    def _learn_look(self, batch, cut: tuple, live: int) -> None:
+        """After a look without the drafter: its value (ms the chosen cut is predicted to save against the AR step
+        committing the same tokens; 0 for the AR step) and its cost (the host time since `looks`) update their
+        EMAs; where the value falls below the cost, the next `plain_span` steps are plain (doubling, PLAIN_MAX)."""
+        spent = 1000 * (time.perf_counter() - self._t_look)
+        base = self._cost_of(batch)(1)
+        value = max((live + cut[2]) * base / max(live, 1) - (live + cut[2]) / max(cut[3], 1e-9), 0.0)
+        first = math.isinf(self.look_value)
+        self.look_value = value if first else LOOK_DECAY * self.look_value + (1 - LOOK_DECAY) * value
+        self.look_ms = spent if first else LOOK_DECAY * self.look_ms + (1 - LOOK_DECAY) * spent
+        if self.look_value < self.look_ms:
+            self.plain_left, self.plain_span = self.plain_span, min(2 * self.plain_span, PLAIN_MAX)
+        else:
+            self.plain_span = 1
 
     def wants_drafter(self, batch, props: list, matched: list) -> bool:
         """Run the drafter where drafting is predicted to beat this step's best without it, or when a probe is due:
@@ -337,6 +386,7 @@ class AdaptivePolicy:
             cut = best_cut(look, live, self._cost_of(batch), 0.0, MARGIN)
         keep = look >= cut[0]
         keep[:, 0] = True
+        self._learn_look(batch, cut, live)
         self._plan = Plan(kept=[np.flatnonzero(k) for k in keep], own=look, p=None, m=0, width=cut[1], drafted=False,
                           rows=b, ctx=max(batch.starts), live=live, props=props, matched=matched, factor=factor)
         self._draft_in = (0, 0)
@@ -364,6 +414,7 @@ class AdaptivePolicy:
         st = self.stats
         st.steps += 1
         st.drafter_steps += plan.drafted
+        st.plain_steps += not plan.looked
         st.width += plan.width
         st.rows += plan.live
         ps, ok = [], []
