@@ -30,7 +30,8 @@ from dflashkit.loader import apply_kernels, load_target, resolve_target_dir
 
 ROWS = [1, 4, 16, 32]
 VARIANTS = ["hf", "lean", "lean+rowlinear", "lean+rowlinear+attend", "lean+rowlinear+attend+layers@avx2",
-            "lean+rowlinear+attend+layers", "lean+int4+attend", "lean+int4-a8+attend", "lean+int4-a8+attend+layers"]
+            "lean+rowlinear+attend+layers", "lean+int4+attend", "lean+int4+attend+layers", "lean+int4-a8+attend",
+            "lean+int4-a8+attend+layers"]
 
 
 @contextlib.contextmanager

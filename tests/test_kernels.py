@@ -38,8 +38,9 @@ def test_ggml_blocks_dequantise_as_the_gguf_library_does(kind):
 
 @pytest.fixture(params=["auto", "avx2"])
 def isa(request):
-    """rowlinear's bf16 path as this CPU runs it ("auto": 16-lane bf16 dot products on AVX512-BF16 CPUs) and its
-    8-lane AVX2 path forced, so both are tested on any host."""
+    """The kernels as this CPU runs them ("auto": rowlinear's bf16 path on 16-lane bf16 dot products on AVX512-BF16
+    CPUs, qlinear's 16-lane VNNI tile on AVX512-VNNI CPUs) and their 8-lane AVX2 paths forced, so both are tested on
+    any host."""
     got = set_isa(request.param)
     yield got
     set_isa("auto")
@@ -49,8 +50,8 @@ def isa(request):
 @pytest.mark.parametrize("n_out,k", [(7, 32), (130, 64), (49, 608)])
 def test_rows_are_bit_identical_whatever_the_row_count(kind, n_out, k, isa):
     """The property exactness rests on: y[m] has the same bits computed alone, in any block, at any offset."""
-    if kind != "bf16" and isa == "avx2":
-        pytest.skip("the ISA switch concerns the bf16 path only")
+    if kind in ("q4_1", "q8_0") and isa == "avx2":
+        pytest.skip("the ISA switch concerns the bf16 and the 8-bit-activation paths only")
     torch.manual_seed(n_out + k)
     w = torch.randn(n_out, k)
     lin = RowLinear.from_bf16(w.bfloat16()) if kind == "bf16" else _ggml(kind.removesuffix("-a8"), w)[0]
@@ -58,13 +59,46 @@ def test_rows_are_bit_identical_whatever_the_row_count(kind, n_out, k, isa):
     x = torch.randn(37, k).bfloat16()
     full = lin(x)
     assert full.dtype == torch.bfloat16 and full.shape == (37, n_out)
-    ref = x.float() @ lin.dequantize().T
+    w = lin.dequantize()
+    if kind in ("q4_1", "q8_0") and isa == "avx512bf16":  # decoded to bf16 weights there (`_rounded_to_bf16`)
+        w = _rounded_to_bf16(lin).float()
+    ref = x.float() @ w.T
     # 8-bit activations round each input to ~1/254 of its block's range: error ~1-2 % of the output's scale
     atol = 0.02 * float(ref.abs().max()) if lin.int8_acts else 2e-2
     assert torch.allclose(full.float(), ref, rtol=2e-2, atol=atol)
     for m in (1, 2, 3, 4, 5, 8, 16, 17, 33):
         for start in (0, 37 - m):
             assert torch.equal(lin(x[start:start + m]), full[start:start + m]), (m, start)
+
+
+def _rounded_to_bf16(lin: RowLinear) -> torch.Tensor:
+    """A 4/8-bit layer's weights as rowlinear's AVX512-BF16 path decodes them: fma(d, q, m) (Q8_0: d * q) rounded
+    once to fp32, then to bf16 (both nearest even). float64 holds d * q + m exactly (fp16 scales, 4-bit codes), so
+    rounding it to fp32 is the fma's single rounding."""
+    n, k = lin.shape
+    if lin.kind == "q8_0":
+        w = lin.codes.double().view(n, k // 32, 32) * lin.scale.double().view(n, -1, 1)
+    else:
+        b = lin.codes.view(n, k // 32, 16)
+        q = torch.cat([b & 0x0F, b >> 4], dim=-1).double()
+        w = q * lin.scale.double().view(n, -1, 1) + lin.minimum.double().view(n, -1, 1)
+    return w.view(n, k).float().bfloat16()
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_4bit_codes_on_bf16_dot_products_are_the_bf16_layer_of_their_rounded_weights(kind):
+    """On AVX512-BF16 CPUs rowlinear decodes 4/8-bit codes to bf16 once per tile and runs the bf16 kernel's dot
+    products: the output is, to the bit, the bf16 layer of those rounded weights, at every row count."""
+    from dflashkit.kernels import isa
+
+    if isa() != "avx512bf16":
+        pytest.skip("this CPU has no AVX512-BF16: 4-bit codes take the 8-lane fp32 path")
+    torch.manual_seed(5)
+    lin = _ggml(kind, torch.randn(53, 608))[0]
+    twin = RowLinear.from_bf16(_rounded_to_bf16(lin))
+    x = torch.randn(21, 608).bfloat16()
+    for m in (1, 2, 5, 21):
+        assert torch.equal(lin(x[:m], out_fp32=True).view(torch.int32), twin(x[:m], out_fp32=True).view(torch.int32))
 
 
 def _int8_definition(lin: RowLinear, x: torch.Tensor) -> torch.Tensor:
@@ -104,6 +138,28 @@ def test_int8_activations_compute_their_definition(kind, k):
     assert torch.allclose(got.float(), fp, rtol=0.02, atol=0.02 * float(fp.abs().max()))
     with pytest.raises(ValueError, match="8-bit activations"):
         RowLinear.from_bf16(w.bfloat16()).with_int8_acts()
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("k", [32, 160, 608])  # one block, and even / odd block counts
+def test_int8_activation_paths_give_the_same_bits(kind, k):
+    """qlinear's AVX2 tile and (on AVX512-VNNI CPUs) its 16-lane tile compute one arithmetic: the exact integer
+    block sums, even and odd blocks in two accumulators. So their outputs are equal to the bit, whatever the rows,
+    and a call may choose either by its row count. (On a CPU without VNNI both runs take the AVX2 tile.)"""
+    torch.manual_seed(k)
+    lin = _ggml(kind, torch.randn(45, k))[0].with_int8_acts()
+    x = torch.randn(19, k) * torch.linspace(0.01, 4, k)
+    x[3, :32] = 0  # an all-zero block
+    x[5] = 0  # an all-zero row: y = 0 exactly (+0 for q8_0; the Q4_1 minimum's term is 0 too)
+    got = {}
+    for name in ("auto", "avx2"):
+        set_isa(name)
+        try:
+            got[name] = [lin(x[:m], out_fp32=True) for m in (1, 2, 3, 4, 5, 8, 19)]
+        finally:
+            set_isa("auto")
+    for a, b in zip(got["auto"], got["avx2"]):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))  # the bits, signed zeros included
 
 
 def test_bad_shapes_are_refused():
@@ -219,8 +275,6 @@ def _stacked(arch: str, int4_a8: bool = False):
 def test_layer_stack_is_bitwise_batch_invariant(arch, int4_a8, n, prompt, seed, isa):
     """All layers in one C++ call: a token's logits have the same bits alone, in a block, in a tree, in a ragged
     batch, with bf16 (on each of rowlinear's paths) and with 4-bit codes on 8-bit activations."""
-    if int4_a8 and isa == "avx2":
-        pytest.skip("the ISA switch concerns the bf16 path only")
     t = _stacked(arch, int4_a8)
     assert t.engine_name.endswith("+attend+layers") and (int4_a8 or f"rowlinear.{isa}" in t.engine_name)
     inv = measure(t, n=n, prompt=prompt, seed=seed)

@@ -16,4 +16,5 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
                      double scale);
 std::string rowlinear_isa();
 std::string rowlinear_set_isa(const std::string& isa);
+bool dflashkit_avx2_forced();  // rowlinear_set_isa("avx2") also keeps qlinear on its AVX2 tile (same bits there)
 void register_stack(pybind11::module& mod);  // layers.cpp

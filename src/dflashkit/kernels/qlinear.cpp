@@ -8,9 +8,12 @@
 // own AR baseline; exactness is judged against that.
 //
 // Row invariance: a token's quantization reads only its own row; each output element is, for blocks b = 0, 1, ...:
-// acc = fma(float(isum8_b), d_w * d_x, acc) (8 lanes, the lanes fixed by the instruction sequence), plus for Q4_1 a
-// scalar chain macc = fma(m_w, s_x, macc); y = hsum8(acc) + macc. The same instructions in the same order for every
-// (token, row) whatever M is and whichever thread runs it (the 2-token and 1-token micro-kernels are one template).
+// acc[b % 2] = fma(float(isum8_b), d_w * d_x, acc[b % 2]) (two 8-lane accumulators, even and odd blocks; lane i of
+// isum8_b = the exact int32 sum of the block's products 4i..4i+3), plus for Q4_1 a scalar chain
+// macc = fma(m_w, s_x, macc) over b ascending; y = hsum8(acc[0] + acc[1]) + macc. Every path computes exactly this
+// for every (token, row) whatever M is and whichever thread runs it: the AVX2 tile (two ymm accumulators) and, on
+// CPUs with AVX512-VNNI, the 16-lane tile (one `dpbusd` for blocks b, b + 1: lanes 0-7 are acc[0], 8-15 acc[1]).
+// The integer sums are exact in both, so both give the same bits, and a call may pick either by its row count.
 //
 // Weight formats (`kind`, as rowlinear.cpp): 1 q4_1 (codes [N, K / 2], GGML nibble order; w = d q + m),
 // 2 q8_0 (codes [N, K] int8; w = d q). Activations: bf16 or fp32 [M, K]; output bf16 or fp32.
@@ -21,6 +24,8 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include "ops.h"
 
 #include "simd.h"
 
@@ -93,11 +98,12 @@ inline __m256i dot32(int kind, __m256i w, __m256i xq) {
 // MR tokens (rows t0.. of the quantized activations) against NR weight rows n[0..NR): out[t][r].
 template <int MR>
 inline void tile(const QWeights& W, const int64_t* n, const QActs& X, int64_t t0, float out[][NR]) {
-  __m256 acc[MR][NR];
+  __m256 acc[2][MR][NR];  // even and odd blocks
   float macc[MR][NR];
   for (int t = 0; t < MR; ++t)
-    for (int r = 0; r < NR; ++r) acc[t][r] = _mm256_setzero_ps(), macc[t][r] = 0.0f;
+    for (int r = 0; r < NR; ++r) acc[0][t][r] = acc[1][t][r] = _mm256_setzero_ps(), macc[t][r] = 0.0f;
   for (int64_t b = 0; b < W.nb; ++b) {
+    __m256(&a)[MR][NR] = acc[b & 1];
     __m256i xq[MR];
     float dx[MR], sx[MR];
     for (int t = 0; t < MR; ++t) {
@@ -110,7 +116,7 @@ inline void tile(const QWeights& W, const int64_t* n, const QActs& X, int64_t t0
       const float dw = W.d[n[r] * W.nb + b];
       for (int t = 0; t < MR; ++t) {
         const __m256 f = _mm256_cvtepi32_ps(dot32(W.kind, w, xq[t]));
-        acc[t][r] = _mm256_fmadd_ps(f, _mm256_set1_ps(dw * dx[t]), acc[t][r]);
+        a[t][r] = _mm256_fmadd_ps(f, _mm256_set1_ps(dw * dx[t]), a[t][r]);
       }
       if (W.kind == 1) {
         const float mw = W.m[n[r] * W.nb + b];
@@ -119,7 +125,89 @@ inline void tile(const QWeights& W, const int64_t* n, const QActs& X, int64_t t0
     }
   }
   for (int t = 0; t < MR; ++t)
-    for (int r = 0; r < NR; ++r) out[t][r] = hsum8(acc[t][r]) + macc[t][r];
+    for (int r = 0; r < NR; ++r) out[t][r] = hsum8(_mm256_add_ps(acc[0][t][r], acc[1][t][r])) + macc[t][r];
+}
+
+// ---- CPUs with AVX512-VNNI: the same arithmetic, two blocks per instruction ----------------------------------
+// Blocks b, b + 1 go through one `dpbusd` (unsigned weights x signed activations, 4 products per int32 lane) into
+// 16 lanes: lanes 0-7 block b (the even accumulator), 8-15 block b + 1 (the odd one); the scales d_w d_x of b and
+// b + 1 fill the two halves. An odd last block updates the low half only (a masked fma: the odd half is left
+// untouched, not added a zero, which could flip the sign of a zero). Q8_0's signed weights enter as w + 128 and the
+// exact 128 * (sum of each lane's 4 activations) is subtracted in int32. y = hsum16(acc) = hsum8(low + high).
+#define DFK_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+// Blocks b (and b + 1 when `two`) of weight row n as 64 unsigned bytes in element order (one block: the high half
+// is zero).
+DFK_VNNI inline __m512i unpack2(const QWeights& W, int64_t n, int64_t b, bool two) {
+  const uint8_t* row = W.codes + n * W.row_bytes;
+  if (W.kind == 1) {
+    const __m256i c = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * b))
+                          : _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b)));
+    const __m256i lo = _mm256_and_si256(c, _mm256_set1_epi8(0x0f));  // [lo(b), lo(b + 1)]
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), _mm256_set1_epi8(0x0f));
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // [lo(b), lo(b+1), hi(b), hi(b+1)]
+    const __m512i w = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));   // [lo(b), hi(b), lo(b+1), hi(b+1)]
+    return two ? w : _mm512_maskz_mov_epi64(0x0f, w);
+  }
+  const __m512i q = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0xffffffffULL, row + 32 * b);
+  return _mm512_maskz_xor_epi64(two ? 0xff : 0x0f, q, _mm512_set1_epi8(static_cast<char>(0x80)));  // w + 128
+}
+
+// [p[0] x 8, p[1] x 8] (p[1] only when `two`).
+DFK_VNNI inline __m512 pair(const float* p, bool two) {
+  const __m128 v = two ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))) : _mm_load_ss(p);
+  return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                               _mm512_castps128_ps512(v));
+}
+
+template <int MR>
+DFK_VNNI void tile16(const QWeights& W, const int64_t* n, const QActs& X, int64_t t0, float out[][NR]) {
+  __m512 acc[MR][NR];
+  float macc[MR][NR];
+  for (int t = 0; t < MR; ++t)
+    for (int r = 0; r < NR; ++r) acc[t][r] = _mm512_setzero_ps(), macc[t][r] = 0.0f;
+  for (int64_t b = 0; b < W.nb; b += 2) {
+    const bool two = b + 1 < W.nb;
+    const __mmask16 lanes = two ? 0xffff : 0x00ff;
+    __m512i xq[MR], corr[MR];
+    __m512 dx[MR];
+    for (int t = 0; t < MR; ++t) {
+      const int64_t row = t0 + t;
+      xq[t] = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0xffffffffULL, X.q + row * X.K + 32 * b);
+      corr[t] = W.kind == 2 ? _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1),
+                                                                    xq[t]), 7)
+                            : _mm512_setzero_si512();
+      dx[t] = pair(X.d + row * X.nb + b, two);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m512i w = unpack2(W, n[r], b, two);
+      const __m512 dw = pair(W.d + n[r] * W.nb + b, two);
+      for (int t = 0; t < MR; ++t) {
+        const __m512i isum = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xq[t]), corr[t]);
+        acc[t][r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dx[t]), acc[t][r], lanes);
+      }
+      if (W.kind == 1) {
+        const float* mw = W.m + n[r] * W.nb + b;
+        for (int t = 0; t < MR; ++t) {
+          const float* sx = X.s + (t0 + t) * X.nb + b;
+          macc[t][r] = std::fma(mw[0], sx[0], macc[t][r]);
+          if (two) macc[t][r] = std::fma(mw[1], sx[1], macc[t][r]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < MR; ++t)
+    for (int r = 0; r < NR; ++r) out[t][r] = dflashkit::hsum16(acc[t][r]) + macc[t][r];
+}
+
+// Rows from which the 16-lane tile runs (measured here: below it the AVX2 tile was as fast or faster; the bits
+// are the same either way).
+constexpr int64_t VNNI_FROM_ROWS = 1;
+
+bool vnni_path(int64_t M) {
+  static const bool cpu = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return cpu && !dflashkit_avx2_forced() && M >= VNNI_FROM_ROWS;
 }
 
 }  // namespace
@@ -151,6 +239,23 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
   const QActs X{xq.data(), xd.data(), xs.data(), K, nb};
   const int64_t tiles = (N + NR - 1) / NR;
   // Threads split the weight rows: each output element is computed whole by one thread.
+  if (vnni_path(M)) {
+    at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t z) {
+      float out[4][NR];
+      for (int64_t tt = a; tt < z; ++tt) {
+        const int64_t n0 = tt * NR, rows = std::min(NR, N - n0);
+        int64_t n[NR];
+        for (int r = 0; r < NR; ++r) n[r] = n0 + std::min<int64_t>(r, rows - 1);
+        int64_t i = 0;
+        for (; i + 4 <= M; i += 4) tile16<4>(W, n, X, i, out), store_tile<NR>(yp, N, i, n0, rows, out, 4);
+        const int64_t left = M - i;
+        if (left == 3) tile16<3>(W, n, X, i, out), store_tile<NR>(yp, N, i, n0, rows, out, 3);
+        if (left == 2) tile16<2>(W, n, X, i, out), store_tile<NR>(yp, N, i, n0, rows, out, 2);
+        if (left == 1) tile16<1>(W, n, X, i, out), store_tile<NR>(yp, N, i, n0, rows, out, 1);
+      }
+    });
+    return out_bf16 ? round_to_bf16(yf) : yf;
+  }
   at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t z) {
     float out[2][NR];
     for (int64_t tt = a; tt < z; ++tt) {

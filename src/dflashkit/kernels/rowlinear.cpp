@@ -133,15 +133,52 @@ DFK_AVX512BF16 void bf16_tile(const uint16_t* const* w, const uint16_t* x, int64
     for (int r = 0; r < TILE16; ++r) out[i][r] = hsum16(acc[i][r]);
 }
 
-DFK_AVX512BF16 void rowlinear_bf16_avx512(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K,
-                                          float* yp) {
+// 4/8-bit weights on this path: row n's weights as bf16, out[K]. Each weight is its fp32 value as `load8` computes it
+// (Q4_1: fma(d, q, m); Q8_0: d * q), rounded to bf16 (nearest even) once; the products are then bf16 x bf16 like
+// the bf16 kind's. Why: a Q4_1 block's scale makes the integer path pay a convert and an fma per block per token,
+// and a 16-token verify on it cost ~3.4x the bf16 path (qlinear); decoded once per tile of rows, the weights serve
+// every token at bf16 speed, while a one-token step still reads 4-bit codes from memory. The rounding to bf16 is
+// a relative 2^-9 per weight, far below the 4-bit codes' own step (a different target than the 8-lane path's fp32
+// products: the engine name says which ISA ran).
+DFK_AVX512BF16 void decode_row_bf16(const Weights& W, int64_t n, uint16_t* out) {
+  const int64_t nb = W.K / 32;
+  const uint8_t* row = W.codes + n * W.row_bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 d = _mm512_set1_ps(W.d[n * nb + b]);
+    __m512 lo, hi;  // elements 0-15 and 16-31 of the block
+    if (W.kind == 1) {  // byte j: element j (low nibble), element j + 16 (high nibble)
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
+      const __m128i f = _mm_set1_epi8(0x0f);
+      const __m512 m = _mm512_set1_ps(W.m[n * nb + b]);
+      lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(c, f))), m);
+      hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(c, 4), f))), m);
+    } else {
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b));
+      lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(c))));
+      hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(c, 1))));
+    }
+    _mm512_storeu_si512(out + 32 * b, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // [lo, hi] in element order
+  }
+}
+
+// wp: bf16 weights [N, K] (kind 0), or W's 4/8-bit codes decoded a tile at a time (`decode_row_bf16`).
+DFK_AVX512BF16 void rowlinear_bf16_avx512(const uint16_t* xp, const uint16_t* wp, const Weights& W, int64_t M,
+                                          int64_t N, int64_t K, float* yp) {
   const int64_t tiles = (N + TILE16 - 1) / TILE16;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     float out[4][TILE16];
     const uint16_t* w[TILE16];
+    std::vector<uint16_t> buf(W.kind == 0 ? 0 : TILE16 * K);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * TILE16, rows = std::min(TILE16, N - n0);
-      for (int64_t r = 0; r < TILE16; ++r) w[r] = wp + (n0 + std::min(r, rows - 1)) * K;
+      for (int64_t r = 0; r < TILE16; ++r) {
+        if (W.kind == 0) {
+          w[r] = wp + (n0 + std::min(r, rows - 1)) * K;
+        } else {  // rows past the matrix repeat the last one
+          if (r < rows) decode_row_bf16(W, n0 + r, buf.data() + r * K);
+          w[r] = buf.data() + std::min(r, rows - 1) * K;
+        }
+      }
       int64_t i = 0;
       for (; i + 4 <= M; i += 4) bf16_tile<4>(w, xp + i * K, K, out), store_tile<TILE16>(yp, N, i, n0, rows, out, 4);
       const int64_t left = M - i;
@@ -161,6 +198,8 @@ bool bf16_dot_path() {
 }
 
 }  // namespace
+
+bool dflashkit_avx2_forced() { return avx2_only; }
 
 // Which instruction set the bf16 x bf16 path runs here: "avx512bf16" or "avx2" (their bits differ).
 std::string rowlinear_isa() { return bf16_dot_path() ? "avx512bf16" : "avx2"; }
@@ -184,22 +223,22 @@ torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, t
                              "rowlinear: scales must be fp32 [N, K / 32]");
   if (kind == 1) TORCH_CHECK(m.scalar_type() == torch::kFloat && m.is_contiguous() && m.numel() == N * K / 32,
                              "rowlinear: mins must be fp32 [N, K / 32]");
-  if (kind == 0 && x.scalar_type() == torch::kBFloat16 && bf16_dot_path()) {
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  const float* dp = kind != 0 ? d.data_ptr<float>() : nullptr;
+  const float* mp = kind == 1 ? m.data_ptr<float>() : nullptr;
+  const Weights W{static_cast<int>(kind), cp, dp, mp, K, row_bytes};
+  if (x.scalar_type() == torch::kBFloat16 && bf16_dot_path()) {  // bf16 activations on bf16 dot products
     torch::Tensor xb = x.contiguous();
     torch::Tensor yb = torch::empty({M, N}, x.options().dtype(torch::kFloat));
-    rowlinear_bf16_avx512(reinterpret_cast<const uint16_t*>(xb.data_ptr()),
-                          reinterpret_cast<const uint16_t*>(codes.data_ptr()), M, N, K, yb.data_ptr<float>());
+    rowlinear_bf16_avx512(reinterpret_cast<const uint16_t*>(xb.data_ptr()), reinterpret_cast<const uint16_t*>(cp), W,
+                          M, N, K, yb.data_ptr<float>());
     return out_bf16 ? round_to_bf16(yb) : yb;
   }
   torch::Tensor xf = x.to(torch::kFloat).contiguous();  // bf16 -> fp32 is exact
   torch::Tensor yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   const float* xp = xf.data_ptr<float>();
   float* yp = yf.data_ptr<float>();
-  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  const float* dp = kind != 0 ? d.data_ptr<float>() : nullptr;
-  const float* mp = kind == 1 ? m.data_ptr<float>() : nullptr;
   const int64_t tiles = (N + TILE - 1) / TILE;
-  const Weights W{static_cast<int>(kind), cp, dp, mp, K, row_bytes};
   // Threads split the weight rows: each output element is computed whole by one thread, in the order above.
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> buf(TILE * K);
