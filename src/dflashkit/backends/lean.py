@@ -157,8 +157,10 @@ class LeanTarget(HFTarget):
         """What the exactness self-check's cache is keyed on: the backend AND its kernels."""
         from ..kernels import isa
 
-        # rowlinear's bf16 path has one instruction sequence per CPU kind (their bits differ): name which ran
-        kernel = f"rowlinear.{isa()}" if self.kernel == "rowlinear" else self.kernel
+        # rowlinear's bf16 path, and its 4-bit one (`int4`: decoded to bf16 on AVX512-BF16 CPUs, fp32 products on
+        # the 8-lane path), have one instruction sequence per CPU kind (their bits differ): name which ran. int4-a8
+        # computes the same bits on each of its paths (kernels/qlinear.cpp).
+        kernel = f"{self.kernel}.{isa()}" if self.kernel in ("rowlinear", "int4") else self.kernel
         return (type(self).__name__ + ("" if kernel == "torch" else f"+{kernel}")
                 + ("+attend" if self.fused_attention else "") + ("+layers" if self.stack is not None else ""))
 
