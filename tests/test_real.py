@@ -221,7 +221,7 @@ def test_cli_generate_int4_target_compares_with_its_own_ar(quant):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "identical output: True" in out.stdout, out.stdout
-    line = rf"exactness on this machine \(LeanTarget\+{re.escape(quant)}[+a-z]*, bfloat16\): bitwise"
+    line = rf"exactness on this machine \(LeanTarget\+{re.escape(quant)}[+a-z0-9.]*, bfloat16\): bitwise"
     assert re.search(line, out.stdout), out.stdout
 
 
