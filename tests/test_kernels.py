@@ -60,8 +60,8 @@ def test_rows_are_bit_identical_whatever_the_row_count(kind, n_out, k, isa):
     full = lin(x)
     assert full.dtype == torch.bfloat16 and full.shape == (37, n_out)
     w = lin.dequantize()
-    if kind in ("q4_1", "q8_0") and isa == "avx512bf16":  # decoded to bf16 weights there (`_rounded_to_bf16`)
-        w = _rounded_to_bf16(lin).float()
+    if kind in ("q4_1", "q8_0") and isa == "avx512bf16":  # decoded to bf16 weights there (`RowLinear.as_bf16`)
+        w = lin.as_bf16().float()
     ref = x.float() @ w.T
     # 8-bit activations round each input to ~1/254 of its block's range: error ~1-2 % of the output's scale
     atol = 0.02 * float(ref.abs().max()) if lin.int8_acts else 2e-2
@@ -69,20 +69,6 @@ def test_rows_are_bit_identical_whatever_the_row_count(kind, n_out, k, isa):
     for m in (1, 2, 3, 4, 5, 8, 16, 17, 33):
         for start in (0, 37 - m):
             assert torch.equal(lin(x[start:start + m]), full[start:start + m]), (m, start)
-
-
-def _rounded_to_bf16(lin: RowLinear) -> torch.Tensor:
-    """A 4/8-bit layer's weights as rowlinear's AVX512-BF16 path decodes them: fma(d, q, m) (Q8_0: d * q) rounded
-    once to fp32, then to bf16 (both nearest even). float64 holds d * q + m exactly (fp16 scales, 4-bit codes), so
-    rounding it to fp32 is the fma's single rounding."""
-    n, k = lin.shape
-    if lin.kind == "q8_0":
-        w = lin.codes.double().view(n, k // 32, 32) * lin.scale.double().view(n, -1, 1)
-    else:
-        b = lin.codes.view(n, k // 32, 16)
-        q = torch.cat([b & 0x0F, b >> 4], dim=-1).double()
-        w = q * lin.scale.double().view(n, -1, 1) + lin.minimum.double().view(n, -1, 1)
-    return w.view(n, k).float().bfloat16()
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
@@ -95,7 +81,7 @@ def test_4bit_codes_on_bf16_dot_products_are_the_bf16_layer_of_their_rounded_wei
         pytest.skip("this CPU has no AVX512-BF16: 4-bit codes take the 8-lane fp32 path")
     torch.manual_seed(5)
     lin = _ggml(kind, torch.randn(53, 608))[0]
-    twin = RowLinear.from_bf16(_rounded_to_bf16(lin))
+    twin = RowLinear.from_bf16(lin.as_bf16())
     x = torch.randn(21, 608).bfloat16()
     for m in (1, 2, 5, 21):
         assert torch.equal(lin(x[:m], out_fp32=True).view(torch.int32), twin(x[:m], out_fp32=True).view(torch.int32))

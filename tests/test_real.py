@@ -225,6 +225,34 @@ def test_cli_generate_int4_target_compares_with_its_own_ar(quant):
     assert re.search(line, out.stdout), out.stdout
 
 
+def test_the_default_target_reads_its_weights_as_gguf_codes_with_the_same_bits(monkeypatch):
+    """On an AVX512-BF16 CPU the bf16 default target reads its weights as the GGUF's 4-bit codes (rowlinear decodes
+    them to exactly the loaded bf16 values): prefill and verify logits and the drafter's taps equal, to the bit, those
+    of the same target on its bf16 weights."""
+    from dflashkit.kernels import available, isa
+    from dflashkit.loader import load_target
+
+    if not available() or isa() != "avx512bf16":
+        pytest.skip("weights are read as codes on AVX512-BF16 CPUs only (elsewhere the codes decode to other bits)")
+    codes, tok = load_target(None, dtype="bfloat16")
+    monkeypatch.setenv("DFLASHKIT_BF16_WEIGHTS", "1")
+    plain, _ = load_target(None, dtype="bfloat16")
+    assert "+codes" in codes.engine_name and "+codes" not in plain.engine_name
+    ids = torch.tensor([tok(PROMPTS[0])["input_ids"]])
+    P = ids.shape[1]
+    block = torch.randint(0, 5000, (1, 16), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(P, P + 16)[None]
+    got = []
+    for t in (codes, plain):
+        t.set_taps([1, 14, 28])
+        c = t.new_cache(1, P + 16)
+        h, f = t.forward(ids, torch.arange(P)[None], c, kv_len=P, taps=True)
+        h2, f2 = t.forward(block, pos, c, kv_len=P + 16, slots=pos, taps=True)
+        got.append([t.logits(h), f, t.logits(h2), f2])
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+
+
 def test_prompt_longer_than_context(real):
     eng, _ = real
     from dflashkit import DFlashError

@@ -55,7 +55,9 @@ def lower_hull(grid: tuple, ys: list[float]) -> list[float]:
     if len(hull) == 1:
         return [ys[hull[0]]] * len(grid)
     xs, hs = tuple(grid[h] for h in hull), [ys[h] for h in hull]
-    return [_interp(xs, hs, x) for x in grid]
+    # a point on the hull keeps its own value (not the interpolation's, which may differ in the last bit), so that
+    # the hull of a hull is itself: a cached model reloads to the same numbers
+    return [y if h >= y - 1e-9 * abs(y) else h for y, h in ((y, _interp(xs, hs, x)) for x, y in zip(grid, ys))]
 
 
 @dataclass
@@ -81,8 +83,8 @@ class CostModel:
 
     def __post_init__(self):
         # the calibrated points as their lower convex hull (`lower_hull`); models cached before it get it on load
-        self.verify_ms = [round(y, 3) for y in lower_hull(VERIFY_GRID, list(self.verify_ms))]
-        self.draft_ms = [round(y, 3) for y in lower_hull(DRAFT_GRID, list(self.draft_ms))]
+        self.verify_ms = lower_hull(VERIFY_GRID, list(self.verify_ms))
+        self.draft_ms = lower_hull(DRAFT_GRID, list(self.draft_ms))
 
     def verify(self, tokens: int, ctx: int) -> float:
         base = max(_interp(VERIFY_GRID, self.verify_ms, tokens), 1e-3) + self.ctx_ms * tokens * ctx / 1000

@@ -148,6 +148,7 @@ class LeanTarget(HFTarget):
         self._rope_len = 0
         # which linear kernels run: "torch" (F.linear), "rowlinear", "int4", "int4-a8" (ours)
         self.kernel = "torch"
+        self.codes = False  # rowlinear reads the bf16 weights as the GGUF's codes (quant.attach_gguf_codes, same bits)
         self.head: RowLinear | None = None  # the LM head under our kernel (None: F.linear on lm_head_weight)
         self.fused_attention = False  # attention as one C++ call per layer (kernels/attention.cpp)
         self.stack = None  # all decoder layers as one C++ call per forward (kernels/layers.cpp), or None
@@ -161,7 +162,7 @@ class LeanTarget(HFTarget):
         # the 8-lane path), have one instruction sequence per CPU kind (their bits differ): name which ran. int4-a8
         # computes the same bits on each of its paths (kernels/qlinear.cpp).
         kernel = f"{self.kernel}.{isa()}" if self.kernel in ("rowlinear", "int4") else self.kernel
-        return (type(self).__name__ + ("" if kernel == "torch" else f"+{kernel}")
+        return (type(self).__name__ + ("" if kernel == "torch" else f"+{kernel}") + ("+codes" if self.codes else "")
                 + ("+attend" if self.fused_attention else "") + ("+layers" if self.stack is not None else ""))
 
     def use_fused_attention(self) -> None:
@@ -217,7 +218,7 @@ class LeanTarget(HFTarget):
                 setattr(layer, name, RowLinear.from_bf16(getattr(layer, name)))
         self.stack = None  # it held the old weights: build it again after the linears change (`use_layer_stack`)
         self.head = RowLinear.from_bf16(self.lm_head_weight)
-        self.kernel = "rowlinear"
+        self.kernel, self.codes = "rowlinear", False
 
     def linear_weights(self) -> list[torch.Tensor]:
         """The weights F.linear multiplies under `kernel == "torch"` (the exactness self-check probes them)."""
