@@ -251,6 +251,11 @@ def test_the_default_target_reads_its_weights_as_gguf_codes_with_the_same_bits(m
         got.append([t.logits(h), f, t.logits(h2), f2])
     for a, b in zip(*got):
         assert torch.equal(a, b)
+    # the codes are cached in a folder of their own: engines that load every *.safetensors of the converted
+    # directory (vLLM) must find the model's weights there and nothing else
+    from dflashkit.loader import resolve_target_dir
+
+    assert [p.name for p in resolve_target_dir(None).glob("*.safetensors")] == ["model.safetensors"]
 
 
 def test_prompt_longer_than_context(real):

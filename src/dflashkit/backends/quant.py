@@ -37,7 +37,9 @@ def _close(lin: RowLinear, w: torch.Tensor) -> bool:
     return torch.allclose(lin.dequantize(), w.float(), rtol=2 ** -7, atol=1e-6)
 
 
-CODES_FILE = "gguf-codes.safetensors"  # the GGUF's tensors as raw block bytes, next to the converted weights
+# The GGUF's tensors as raw block bytes, in a folder of the converted target's directory: not beside its weights,
+# where engines that load every *.safetensors file (vLLM) would take them for the model's.
+CODES_FILE = "dflashkit-codes/gguf-tensors.safetensors"
 
 
 def gguf_tensors(gguf_path: str | Path, cache_dir: Path | None = None) -> dict[str, tuple[str, torch.Tensor]]:
@@ -62,16 +64,19 @@ def gguf_tensors(gguf_path: str | Path, cache_dir: Path | None = None) -> dict[s
     out = {t.name: (t.tensor_type.name, torch.from_numpy(np.array(t.data)).view(torch.uint8)
                     .reshape(int(t.shape[-1]) if len(t.shape) > 1 else 1, -1)) for t in reader.tensors}
     if cached is not None:
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=f".{CODES_FILE}.")
-        os.close(fd)
+        tmp = None
         try:
+            cached.parent.mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=cached.parent, prefix=f".{cached.name}.")
+            os.close(fd)
             save_file({k: v.contiguous() for k, (_, v) in out.items()}, tmp,
                       metadata={"kinds": json.dumps({k: kind for k, (kind, _) in out.items()})})
             os.chmod(tmp, 0o644)  # as the converted weights beside it (mkstemp makes it private)
             os.replace(tmp, cached)
         except OSError as e:  # a read-only cache: the next load parses the file again
             log.info("could not cache the GGUF's codes in %s: %s", cache_dir, e)
-            Path(tmp).unlink(missing_ok=True)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
     return out
 
 
