@@ -41,7 +41,8 @@ def test_completions_models_health_metrics(server, client):
     metrics = urllib.request.urlopen(server["url"] + "/metrics").read().decode()
     for name in ("dflashkit_requests_total", "dflashkit_generated_tokens_total", "dflashkit_tau",
                  "dflashkit_accepted_per_position_total", "dflashkit_request_latency_seconds_bucket",
-                 'dflashkit_policy_steps_total{setting="b8-tree0-lookup0"}', "dflashkit_policy_drafter_steps_total"):
+                 'dflashkit_policy_steps_total{setting="b8-tree0-lookup0"}', "dflashkit_policy_drafter_steps_total",
+                 "dflashkit_policy_plain_steps_total"):
         assert name in metrics
 
 

@@ -88,7 +88,8 @@ class Metrics:
                   f"dflashkit_request_latency_seconds_sum {self.latency_sum:.6f}",
                   f"dflashkit_request_latency_seconds_count {self.latency_n}"]
         names = {"steps": "policy_steps_total", "drafter_steps": "policy_drafter_steps_total",
-                 "nodes": "policy_verified_draft_nodes_total", "width": "policy_verify_width_total"}
+                 "plain_steps": "policy_plain_steps_total", "nodes": "policy_verified_draft_nodes_total",
+                 "width": "policy_verify_width_total"}
         for key, name in names.items():  # per-step choices: how often it drafted, how much it verified
             lines.append(f"# TYPE dflashkit_{name} counter")
             lines += [f'dflashkit_{name}{{setting="{k}"}} {v[key]}' for k, v in (policy or {}).items()]
