@@ -96,7 +96,7 @@ def test_a_row_that_fails_inside_a_step_fails_alone(server):
 
     eng = server["engine"]
 
-    class Failing(LookupProposer):  # asked every step, whether or not the policy runs the drafter
+    class Failing(LookupProposer):  # asked every step that looks (below: all of them), drafter or not
         def propose(self, seqs, device):
             if any(s.max_new_tokens == 77 for s in seqs):
                 raise RuntimeError("injected failure")
@@ -104,6 +104,10 @@ def test_a_row_that_fails_inside_a_step_fails_alone(server):
 
     from dflashkit.server import build_app, serve_in_thread
 
+    # Why: a plain step between looks (`AdaptivePolicy.looks`) does not ask the lookup, and the server's recovery
+    # re-runs the rows; the injected failure must fire on every step for the test to say which row it hits.
+    pol = eng.policy(eng.config)
+    pol.may_skip_looks, pol.plain_left = False, 0
     eng.set_proposers(lookup=Failing)  # a second app on the same engine: its batch is built with the failing one
     srv, th, url = serve_in_thread(build_app(eng, server["tok"], "smollm2-test", max_len=1024))
     try:
@@ -117,6 +121,7 @@ def test_a_row_that_fails_inside_a_step_fails_alone(server):
         srv.should_exit = True
         th.join(30)
         eng.set_proposers(lookup=LookupProposer)
+        pol.may_skip_looks = True
     assert status == 500 and "injected failure" in payload["error"]["message"]
     for p, (s, body) in zip(PROMPTS[:3], got):
         assert s == 200 and body["choices"][0]["message"]["content"] == alone_text(server, p, 16)
