@@ -72,6 +72,15 @@ def _probe_logits(model) -> torch.Tensor:
         return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
 
 
+MANIFEST = "dflashkit-conversion.json"  # written last into a converted GGUF target's directory: its source and digests
+
+
+def gguf_source(target_dir: Path) -> str | None:
+    """The GGUF a converted target's directory was made from (its manifest), or None for any other target."""
+    manifest = target_dir / MANIFEST
+    return json.loads(manifest.read_text())["source"] if manifest.is_file() else None
+
+
 def convert_gguf(gguf: Path, out: Path) -> Path:
     """Dequantize a GGUF once into an HF safetensors directory (fp32) and verify it.
 
@@ -98,17 +107,17 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
             raise DFlashError(f"the converted copy of {gguf} does not reproduce its logits; conversion aborted.")
         manifest = {"source": str(gguf), "source_sha256": _file_digest(gguf),
                     "probe_logits_sha256": hashlib.sha256(ref.numpy().tobytes()).hexdigest()}
-        (tmp / "dflashkit-conversion.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         # Why another process's finished copy is kept, not replaced: two processes started at once (two servers, a
         # parallel test run) both convert; the first one's copy may be loading in that process right now.
-        if (out / "dflashkit-conversion.json").is_file():
+        if (out / MANIFEST).is_file():
             return out
         if out.exists():  # a copy without its manifest: an interrupted conversion of an older version
             shutil.rmtree(out)
         try:
             os.replace(tmp, out)
         except OSError:
-            if not (out / "dflashkit-conversion.json").is_file():  # not a finished copy of another process
+            if not (out / MANIFEST).is_file():  # not a finished copy of another process
                 raise
     finally:
         if tmp.exists():
@@ -139,7 +148,7 @@ def resolve_target_dir(path: str | os.PathLike | None = None) -> Path:
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
     out = cache_dir() / "targets" / f"{gguf.stem}-{key}"
-    if not (out / "dflashkit-conversion.json").is_file():
+    if not (out / MANIFEST).is_file():
         convert_gguf(gguf, out)
     return out
 
@@ -224,12 +233,11 @@ def apply_kernels(target, target_dir: Path, kernel: str = "auto", quant: str | N
     if quant in ("int4", "int4-a8"):
         from .backends.quant import attach_gguf_codes
 
-        manifest = target_dir / "dflashkit-conversion.json"
-        if not manifest.is_file():
+        source = gguf_source(target_dir)
+        if source is None:
             raise DFlashError(f"--quant int4 reads a GGUF's own 4-bit codes; {target_dir} is not a GGUF target. "
                               "Give --target FILE.gguf (Q4_1), or drop --quant.")
-        attach_gguf_codes(target, json.loads(manifest.read_text())["source"], int8_acts=quant == "int4-a8",
-                          cache_dir=target_dir)
+        attach_gguf_codes(target, source, int8_acts=quant == "int4-a8", cache_dir=target_dir)
     elif kernel == "rowlinear":
         target.use_rowlinear()
         _read_weights_as_codes(target, target_dir)
@@ -256,11 +264,11 @@ def _read_weights_as_codes(target, target_dir: Path) -> None:
     from .backends.quant import NotTheSameBits, attach_gguf_codes
     from .kernels import isa
 
-    manifest = target_dir / "dflashkit-conversion.json"
-    if isa() != "avx512bf16" or not manifest.is_file() or os.environ.get("DFLASHKIT_BF16_WEIGHTS"):
+    source = gguf_source(target_dir)
+    if isa() != "avx512bf16" or source is None or os.environ.get("DFLASHKIT_BF16_WEIGHTS"):
         return
     try:
-        attach_gguf_codes(target, json.loads(manifest.read_text())["source"], same_bits=True, cache_dir=target_dir)
+        attach_gguf_codes(target, source, same_bits=True, cache_dir=target_dir)
     except (NotTheSameBits, OSError) as e:
         log.info("bf16 weights kept (the GGUF's codes are not the same bits here: %s)", e)
 

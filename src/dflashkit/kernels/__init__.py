@@ -190,17 +190,9 @@ class RowLinear:
 
     def as_bf16(self) -> torch.Tensor:
         """The weights [N, K] in bfloat16 as rowlinear's AVX512-BF16 path decodes 4/8-bit codes: fma(d, q, m) (Q8_0:
-        d * q) rounded once to fp32, then to bf16. Why fp32 mul + add here equals the kernel's fma: d is an fp16 value
+        d * q) rounded once to fp32, then to bf16. `dequantize` computes exactly that fp32 value: d is an fp16 value
         (11 significant bits) and q has at most 8, so d * q is exact in fp32 and only the addition rounds."""
-        n, k = self.shape
-        if self.kind == "bf16":
-            return self.codes.view(torch.bfloat16)
-        if self.kind == "q8_0":
-            w = self.codes.float().view(n, k // 32, 32) * self.scale.view(n, -1, 1)
-        else:
-            b = self.codes.view(n, k // 32, 16)
-            w = torch.cat([b & 0x0F, b >> 4], dim=-1).float() * self.scale.view(n, -1, 1) + self.minimum.view(n, -1, 1)
-        return w.view(n, k).bfloat16()
+        return self.dequantize().bfloat16()
 
     def __call__(self, x: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
         """x [M, K] (bf16 or fp32) -> [M, N]."""
