@@ -147,11 +147,16 @@ DFK_AVX512BF16 void decode_row_bf16(const Weights& W, int64_t n, uint16_t* out) 
     const __m512 d = _mm512_set1_ps(W.d[n * nb + b]);
     __m512 lo, hi;  // elements 0-15 and 16-31 of the block
     if (W.kind == 1) {  // byte j: element j (low nibble), element j + 16 (high nibble)
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
-      const __m128i f = _mm_set1_epi8(0x0f);
-      const __m512 m = _mm512_set1_ps(W.m[n * nb + b]);
-      lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(c, f))), m);
-      hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(c, 4), f))), m);
+      // A 4-bit code has 16 values: compute them once per block (the same fma(d, q, m), rounded to bf16 once) and
+      // look each code up (vpermw), instead of a convert and an fma per weight.
+      const __m512 v = _mm512_fmadd_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                       _mm512_set1_ps(W.m[n * nb + b]));
+      const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
+      const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b)));
+      const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(c, _mm256_set1_epi16(0x0f))),
+                                             _mm256_srli_epi16(c, 4), 1);  // [elements 0-15, elements 16-31]
+      _mm512_storeu_si512(out + 32 * b, _mm512_permutexvar_epi16(idx, table));
+      continue;
     } else {
       const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b));
       lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(c))));
