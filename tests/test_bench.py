@@ -7,7 +7,7 @@ import torch
 
 from dflashkit import DecodeConfig, DFlashError, LookupParams
 from dflashkit.bench import (BenchConfig, Turn, aggregate, load_dataset, load_prompt_file, markdown,
-                             near_tie_threshold, run_bench, write_report)
+                             near_tie_threshold, run_bench, run_interleaved, write_report)
 
 
 def test_dataset_loaders():
@@ -55,6 +55,37 @@ def test_metric_arithmetic():
     assert r["accepted_length_histogram"] == [2, 1, 1, 1] and sum(r["accepted_length_histogram"]) == 5
     assert r["tokens_per_s"] == pytest.approx((8 + 4) / 2.0) and r["ttft_ms"] == pytest.approx(200.0)
     assert aggregate([Turn([1, 2], new_tokens=2, decode_s=0.5)], 1)["tau"] == 1.0
+
+
+def test_methods_run_interleaved_item_by_item_and_follow_their_own_answers():
+    """Every item runs under every method before the next item (host drift hits all methods alike), and a later
+    turn of an item carries the SAME method's previous answer."""
+    calls = []
+
+    class Tok:
+        chat_template = "fake"
+
+        def apply_chat_template(self, history, **kw):
+            return [len(history)] + [ord(c) for m in history for c in m["content"]]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, prompts, max_new):
+            calls.append((self.name, prompts[0]))
+            return [Turn([ord(self.name)], new_tokens=1)]
+
+    items = [["a", "b"], ["c"]]
+    runs = run_interleaved({"x": Fake("x"), "y": Fake("y")}, items, Tok(), 4, "test")
+    order = [(n, chr(p[1])) for n, p in calls]
+    assert order == [("x", "a"), ("x", "a"), ("y", "a"), ("y", "a"), ("x", "c"), ("y", "c")]
+    second_turns = [p for _, p in calls if p[0] == 3]  # user, assistant, user: the method's own answer inside
+    assert [chr(p[2]) for p in second_turns] == ["x", "y"]
+    assert [len(v) for v in runs.values()] == [3, 3]
 
 
 def test_accepted_lengths_from_vllm_counters():

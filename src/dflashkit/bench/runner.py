@@ -83,23 +83,31 @@ def aggregate(turns: list[Turn], span: int) -> dict:
             "turns": len(turns), "new_tokens": sum(t.new_tokens for t in turns)}
 
 
-def run_items(method, items: list[list[str]], tok, max_new: int, desc: str) -> tuple[list[Turn], list[list[int]]]:
-    """Every item's turns, one prompt at a time; a later turn follows the method's OWN previous answer."""
-    from tqdm import tqdm
-
+def run_item(method, item: list[str], tok, max_new: int) -> list[Turn]:
+    """One item's turns, one prompt at a time; a later turn follows the method's OWN previous answer."""
     from ..loader import encode_chat
 
     turns: list[Turn] = []
-    texts: list[list[int]] = []
-    for item in tqdm(items, desc=desc, unit="prompt"):
-        history: list[dict] = []
-        for user in item:
-            history.append({"role": "user", "content": user})
-            t = method.run([encode_chat(tok, history)], max_new)[0]
-            turns.append(t)
-            texts.append(t.tokens)
-            history.append({"role": "assistant", "content": tok.decode(t.tokens, skip_special_tokens=True)})
-    return turns, texts
+    history: list[dict] = []
+    for user in item:
+        history.append({"role": "user", "content": user})
+        t = method.run([encode_chat(tok, history)], max_new)[0]
+        turns.append(t)
+        history.append({"role": "assistant", "content": tok.decode(t.tokens, skip_special_tokens=True)})
+    return turns
+
+
+def run_interleaved(methods: dict, items: list[list[str]], tok, max_new: int, desc: str) -> dict[str, list[Turn]]:
+    """Every method on every item, item by item: each item runs under every method in turn before the next item.
+    Why: a shared host's speed drifts by 10-30 % over minutes; methods run back to back over all items would each
+    see a different stretch of it, and their ratio would measure the drift. Interleaved, drift hits all alike."""
+    from tqdm import tqdm
+
+    turns: dict[str, list[Turn]] = {m: [] for m in methods}
+    for item in tqdm(items, desc=f"{desc} ({len(methods)} methods interleaved)", unit="prompt"):
+        for name, method in methods.items():
+            turns[name] += run_item(method, item, tok, max_new)
+    return turns
 
 
 def batch_sweep(method: EngineMethod, prompts: list[list[int]], sizes: list[int], max_new: int, desc: str) -> dict:
@@ -144,17 +152,20 @@ def run_dataset(ctx: BenchContext, methods: dict, items: list[list[str]], dname:
 
     cfg = ctx.cfg
     results, outputs = {}, {}
+    before = {n: m.policy_stats() for n, m in methods.items() if isinstance(m, EngineMethod)}
+    runs = run_interleaved(methods, items, ctx.tok, cfg.max_new_tokens, dname)
     for mname, method in methods.items():
-        before = method.policy_stats() if isinstance(method, EngineMethod) else None
-        turns, outputs[mname] = run_items(method, items, ctx.tok, cfg.max_new_tokens, f"{dname}/{mname}")
-        results[mname] = aggregate(turns, max(getattr(method, "span", getattr(method, "block_size", 1)), 1))
-        if before is not None:
-            results[mname]["policy"] = method.policy_stats().since(before).summary()
+        outputs[mname] = [t.tokens for t in runs[mname]]
+        results[mname] = aggregate(runs[mname], max(getattr(method, "span", getattr(method, "block_size", 1)), 1))
+        if before.get(mname) is not None:
+            results[mname]["policy"] = method.policy_stats().since(before[mname]).summary()
     for t in cfg.temperatures:  # our rows, sampled: tau and speed at T > 0 (outputs differ by design)
+        sampled = {}
         for mname, method in ((n, m) for n, m in methods.items() if isinstance(m, EngineMethod)):
-            sampled = method.with_sampling(SamplingParams(temperature=t, seed=0), f"{mname}@T{t:g}")
-            turns, _ = run_items(sampled, items, ctx.tok, cfg.max_new_tokens, f"{dname}/{sampled.name}")
-            results[sampled.name] = aggregate(turns, max(sampled.span, 1))
+            s = method.with_sampling(SamplingParams(temperature=t, seed=0), f"{mname}@T{t:g}")
+            sampled[s.name] = s
+        for sname, sturns in run_interleaved(sampled, items, ctx.tok, cfg.max_new_tokens, dname).items():
+            results[sname] = aggregate(sturns, max(sampled[sname].span, 1))
     for mname, r in results.items():
         base = mname.split("@")[1] if "@" in mname else None
         ar = results["ar" if base is None else f"ar@{base}"]["tokens_per_s"]
