@@ -285,3 +285,23 @@ def test_plain_steps_keep_greedy_output_and_caches_exact(arch):
     assert tokens == [g.tokens for g in ar]
     st = pol.stats.summary()
     assert st["plain_steps"] >= 0.5 * st["steps"] and checked["draft"] >= 1
+
+
+def test_the_cost_model_is_measured_again_when_the_kernels_change(monkeypatch):
+    """A cached cost model is keyed by the kernels' sources: an upgraded kernel keeps the engine's name, and priced
+    by its predecessor's times the policy would misjudge every step."""
+    from types import SimpleNamespace
+
+    from dflashkit import kernels
+    from dflashkit.step_cost import cost_key
+
+    t = SimpleNamespace(engine_name="LeanTarget+rowlinear", kernel="rowlinear", architecture="llama", hidden_size=64,
+                        num_layers=2, vocab_size=100, dtype=torch.bfloat16, device=torch.device("cpu"))
+    before = cost_key(t, None)
+    assert cost_key(t, None) == before  # stable for the same sources
+    monkeypatch.setitem(kernels._state, "source_id", "0123456789ab")
+    assert cost_key(t, None) != before
+    t.kernel = "torch"  # torch's kernels: our sources do not set the costs
+    torch_key = cost_key(t, None)
+    monkeypatch.setitem(kernels._state, "source_id", "ba9876543210")
+    assert cost_key(t, None) == torch_key

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from .kernels import engine_identity
 from .measurements import lookup, machine_key, store
 
 log = logging.getLogger(__name__)
@@ -155,8 +156,8 @@ def measure(target, n: int = 8, prompt: int = 29, seed: int = 0) -> Invariance:
 def check(target, identity: str, cache_file: str | os.PathLike | None = None) -> Invariance:
     """`measure`, cached in `cache_file` (JSON) under the machine/torch/model/dtype key; sets
     `target.batch_invariant`. `identity` names the weights (e.g. the model directory and its config digest)."""
-    key = machine_key(identity, target.architecture, target.dtype, target.device,
-                      getattr(target, "engine_name", type(target).__name__))  # the kernels too: they set the bits
+    # the kernels too (their sources, not only their name): they set the bits
+    key = machine_key(identity, target.architecture, target.dtype, target.device, engine_identity(target))
     stored = lookup(cache_file, key)
     if stored is not None:
         inv = Invariance(**stored)

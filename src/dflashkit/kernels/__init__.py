@@ -101,6 +101,21 @@ def set_isa(name: str) -> str:
     return mod.rowlinear_set_isa(name)
 
 
+def source_id() -> str:
+    """A short hash of the kernels' sources: what a cached measurement of their speed (the step cost model) must
+    be keyed by, so that a changed kernel is measured again instead of priced by its predecessor."""
+    if "source_id" not in _state:
+        _state["source_id"] = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS)).hexdigest()[:12]
+    return _state["source_id"]
+
+
+def engine_identity(target) -> str:
+    """The target's engine name, plus the kernels' `source_id` where our kernels run it: the key of anything cached
+    about its bits or its speed (a changed kernel keeps the engine's name)."""
+    name = getattr(target, "engine_name", type(target).__name__)
+    return name if getattr(target, "kernel", "torch") == "torch" else f"{name}/kernels-{source_id()}"
+
+
 def available() -> bool:
     return load() is not None
 
