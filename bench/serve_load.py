@@ -11,8 +11,9 @@ requests (MT-Bench first turns, T=0) are sent by the `openai` client at concurre
 aggregate completion tokens/s, median per-user tokens/s (completion tokens / request latency), median latency,
 tau from the server's own statistics (vLLM: its /metrics acceptance counters). All servers are started first and
 each concurrency level is run by every mode back to back in a rotating order (drift on a shared host hits all
-modes alike). Writes serve_load.json,
-serve_load.md and serve_load.png.
+modes alike). `--one-server`: `ar` is not a server of its own but the `default` server's requests sent with
+`speculate: false` (its AR batch: the same weights in the same process), which takes the process-to-process spread
+out of the default / AR ratio. Writes serve_load.json, serve_load.md and serve_load.png.
 """
 
 from __future__ import annotations
@@ -132,22 +133,23 @@ def start_server(mode: str, args, threads: int, out: Path):
                        block, args.dtype, threads, out / f"{mode}.log")
 
 
-def ask(client, prompt: str, max_tokens: int):
+def ask(client, prompt: str, max_tokens: int, speculate: bool = True):
     """(completion tokens, latency s, the server's dflash statistics or None) of one chat request."""
     t0 = time.perf_counter()
     r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": prompt}],
-                                       max_tokens=max_tokens, temperature=0)
+                                       max_tokens=max_tokens, temperature=0,
+                                       extra_body=None if speculate else {"speculate": False})
     return r.usage.completion_tokens, time.perf_counter() - t0, (r.model_extra or {}).get("dflash")
 
 
 def load_round(mode: str, server, prompts: list[str], conc: int, max_tokens: int) -> dict:
     """Every prompt sent at `conc` concurrent clients to one server: throughput, per-user speed, tau, policy."""
-    base, counters, client = server
+    base, counters, client, speculate = server
     c0 = counters() if counters else None
     p0 = policy_counters(base) if mode == "default" else None
     t0 = time.perf_counter()
     with ThreadPoolExecutor(conc) as ex:
-        res = list(ex.map(lambda p: ask(client, p, max_tokens), prompts))
+        res = list(ex.map(lambda p: ask(client, p, max_tokens, speculate), prompts))
     wall = time.perf_counter() - t0
     toks = sum(r[0] for r in res)
     if counters:  # vLLM: tau = 1 + accepted / drafts over this round
@@ -193,7 +195,8 @@ def merge_rounds(rows: list[dict], names: list[str]) -> list[dict]:
 
 
 class _Up:
-    """A started server as a context: entering waits for /health and warms it up; -> (base, counters, client)."""
+    """A started server as a context: entering waits for /health and warms it up; -> (base, counters, client,
+    speculate=True)."""
 
     def __init__(self, server, prompt: str, max_tokens: int):
         self.server, self.prompt, self.max_tokens = server, prompt, max_tokens
@@ -204,7 +207,7 @@ class _Up:
         base, counters = self.server.__enter__()
         client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
         ask(client, self.prompt, self.max_tokens)  # warm-up
-        return base, counters, client
+        return base, counters, client, True
 
     def __exit__(self, *exc):
         return self.server.__exit__(*exc)
@@ -233,6 +236,8 @@ def main() -> int:
     ap.add_argument("--modes", default="ar,dflash-b8,vllm,vllm-dflash-b8")
     ap.add_argument("--rounds", type=int, default=1, help="repeat every (concurrency, mode) cell, interleaved")
     ap.add_argument("--restart", action="store_true", help="fresh servers every round, started in a rotating order")
+    ap.add_argument("--one-server", action="store_true",
+                    help="ar = the default server's requests with speculate: false (one process for both)")
     ap.add_argument("--out", default="bench/results/serve-load")
     ap.add_argument("--report-only", action="store_true", help="rewrite serve_load.md/.png from serve_load.json")
     args = ap.parse_args()
@@ -246,6 +251,7 @@ def main() -> int:
     threads = torch.get_num_threads()
     rows, skipped = [], {}
     modes = args.modes.split(",")
+    shared = args.one_server and "ar" in modes and "default" in modes
     k = 0
     # Every server is started first and stays up (an idle one polls its queue every 50 ms); then each concurrency
     # level is run by every mode back to back, in a rotating order. Why: on a shared 2-core host the same work ran
@@ -255,11 +261,14 @@ def main() -> int:
     # one set of processes cannot average out).
     for r in range(args.rounds if args.restart else 1):
         order = modes[r % len(modes):] + modes[:r % len(modes)]
-        servers = start_all(order, args, threads, out, prompts, skipped)
+        servers = start_all([m for m in order if not (shared and m == "ar")], args, threads, out, prompts, skipped)
         with contextlib.ExitStack() as stack:
             for mode in order:
                 if mode in servers:
                     servers[mode] = stack.enter_context(servers[mode])
+            if shared and "default" in servers:  # its AR warm-up: the AR batch's first request
+                servers["ar"] = servers["default"][:3] + (False,)
+                ask(servers["ar"][2], prompts[0], args.max_tokens, False)
             names = [m for m in modes if m in servers]
             for _ in range(1 if args.restart else args.rounds):
                 for conc in (1, 2, 4, 8, 16):
@@ -271,9 +280,10 @@ def main() -> int:
     rows = merge_rounds(rows, names)
     meta = {"command": " ".join(sys.argv), "threads": threads, "dtype": args.dtype, "requests": len(prompts),
             "max_tokens": args.max_tokens, "prompts": "MT-Bench first turns", "skipped": skipped,
-            "rounds": args.rounds, "restart": args.restart,
+            "rounds": args.rounds, "restart": args.restart, "one_server": shared,
             "order": "interleaved: all servers up, each concurrency run by every mode back to back, rotating"
-                     + ("; fresh servers every round, started in a rotating order" if args.restart else "")}
+                     + ("; fresh servers every round, started in a rotating order" if args.restart else "")
+                     + ("; ar = the default server's requests with speculate: false (one process)" if shared else "")}
     (out / "serve_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(report(meta, rows, out))
     return 0

@@ -57,6 +57,24 @@ def test_eight_concurrent_clients_get_what_they_get_alone(server, client):
         assert g == alone(server, p, 32), p
 
 
+def test_requests_without_speculation_run_beside_speculating_ones(server, client):
+    """`speculate: false` decodes a request autoregressively in the scheduler's second batch, concurrently with
+    speculating requests: the same greedy text as alone, no drafts verified, and the speculating rows unharmed."""
+    def ask(i_p):
+        i, p = i_p
+        r = client.chat.completions.create(model="smollm2-test", messages=[{"role": "user", "content": p}],
+                                           max_tokens=24, temperature=0, extra_body={"speculate": i % 2 == 0})
+        return r.choices[0].message.content, r.model_extra["dflash"]
+    with ThreadPoolExecutor(6) as ex:
+        got = list(ex.map(ask, enumerate(PROMPTS[:6])))
+    for i, (p, (text, stats)) in enumerate(zip(PROMPTS, got)):
+        assert text == alone(server, p, 24), p
+        if i % 2:  # autoregressive: one token per target pass, nothing drafted
+            assert stats["tau"] == 1.0 and stats["acceptance"] == [] and stats["max_tokens_per_pass"] == 1
+        else:  # the speculating batch (whether a step drafts is the adaptive policy's choice under this load)
+            assert len(stats["acceptance"]) == 7 and stats["max_tokens_per_pass"] == 8
+
+
 def post(server, body: bytes | str, path="/v1/chat/completions"):
     """(status, the JSON body; for a streamed answer the list of its events' JSON)."""
     req = urllib.request.Request(server["url"] + path, data=body if isinstance(body, bytes) else body.encode(),
@@ -85,6 +103,7 @@ def _decoded(r):
     '{"messages": [{"role": "robot", "content": "hi"}]}',
     '{"messages": "hi"}',
     '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}',
+    '{"messages": [{"role": "user", "content": "hi"}], "speculate": "maybe"}',
 ])
 def test_bad_requests_get_openai_style_4xx(server, body):
     status, payload = post(server, body)

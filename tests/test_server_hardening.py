@@ -91,7 +91,8 @@ def test_a_request_whose_admission_fails_fails_alone(server):
 
 def test_a_row_that_fails_inside_a_step_fails_alone(server):
     """A failure inside a decoding step (here: the step's proposal raises whenever one marked request is in the
-    batch) finishes that request with an error; the requests decoding beside it get their normal answers."""
+    batch) finishes that request with an error; the requests decoding beside it get their normal answers, in its
+    batch and in the autoregressive batch (`speculate: false`) stepped in turn with it."""
     from dflashkit.proposers import LookupProposer
 
     eng = server["engine"]
@@ -112,7 +113,8 @@ def test_a_row_that_fails_inside_a_step_fails_alone(server):
     srv, th, url = serve_in_thread(build_app(eng, server["tok"], "smollm2-test", max_len=1024))
     try:
         with ThreadPoolExecutor(4) as ex:
-            victims = [ex.submit(post, {"url": url}, chat(p, max_tokens=16)) for p in PROMPTS[:3]]
+            victims = [ex.submit(post, {"url": url}, chat(p, max_tokens=16, speculate=i != 1))
+                       for i, p in enumerate(PROMPTS[:3])]
             time.sleep(0.2)
             bad = ex.submit(post, {"url": url}, chat(max_tokens=77))
             got = [f.result() for f in victims]
@@ -125,6 +127,7 @@ def test_a_row_that_fails_inside_a_step_fails_alone(server):
     assert status == 500 and "injected failure" in payload["error"]["message"]
     for p, (s, body) in zip(PROMPTS[:3], got):
         assert s == 200 and body["choices"][0]["message"]["content"] == alone_text(server, p, 16)
+    assert got[1][1]["dflash"]["max_tokens_per_pass"] == 1  # the AR victim ran in the AR batch
 
 
 # ---- bounded inputs --------------------------------------------------------------------------------------------

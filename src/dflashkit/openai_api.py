@@ -86,6 +86,9 @@ class Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=128)
+    # dflashkit's own field: false decodes this request autoregressively (same weights, same output when greedy),
+    # e.g. as the baseline of an A/B comparison inside one server process
+    speculate: bool = True
 
     @field_validator("stop")
     @classmethod
@@ -179,7 +182,8 @@ class Responder:
                 seed = req.seed if req.seed is None or i == 0 else (req.seed + i if req.seed + i <= SEED_MAX
                                                                     else req.seed - i)
                 params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed)
-                jobs.append(self.sched.submit(prompt_ids, params, max_new, req.stops(), req.logprobs_k()))
+                jobs.append(self.sched.submit(prompt_ids, params, max_new, req.stops(), req.logprobs_k(),
+                                              speculate=req.speculate))
         except (DFlashError, OverloadError) as e:
             for j in jobs:
                 self.sched.cancel(j)

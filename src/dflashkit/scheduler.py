@@ -1,5 +1,9 @@
-"""The server's engine loop: one thread owns the engine and one running `DecodeBatch`; requests join and leave
+"""The server's engine loop: one thread owns the engine and its running `DecodeBatch`es; requests join and leave
 between steps (continuous batching), and Prometheus counters of what it did.
+
+A request that asks for `speculate: false` decodes autoregressively (block size 1, no lookup) in a second batch of
+the same engine, stepped in turn with the first: the same weights in the same process, so a client can compare
+the two modes without the process-to-process spread of two servers (bench/serve_load.py `--one-server`).
 
 Failure isolation: request fields are validated before a request is queued (`SamplingParams`, the API limits), and
 a request whose admission still fails (prefill, its sampler) fails alone. A failure inside a decoding step cannot
@@ -15,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from .batch import cache_positions
+from .decode_config import DecodeConfig
 from .engine import DFlashEngine
 from .errors import DFlashError
 from .sampling import SamplingParams
@@ -29,6 +34,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue  # StepOutput items, then None
     cancelled: bool = False
+    speculate: bool = True  # False: decoded autoregressively, in the scheduler's AR batch
 
 
 @dataclass
@@ -97,7 +103,7 @@ class Metrics:
 
 
 class Scheduler:
-    """Owns the engine in one thread; requests join and leave the running batch between steps."""
+    """Owns the engine in one thread; requests join and leave the running batches between steps."""
 
     def __init__(self, engine: DFlashEngine, max_batch: int, max_queue: int, max_len: int):
         if not isinstance(max_batch, int) or max_batch < 1:
@@ -105,6 +111,7 @@ class Scheduler:
         if not isinstance(max_queue, int) or max_queue < 1:
             raise DFlashError(f"--max-queue must be >= 1 (got {max_queue}): the requests that may wait for a slot.")
         self.engine, self.max_batch, self.max_len = engine, max_batch, max_len
+        self.ar_config = DecodeConfig.autoregressive()
         self.pending: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.jobs: dict[int, Job] = {}
         self.metrics = Metrics()
@@ -144,10 +151,11 @@ class Scheduler:
         return self.max_len - self.engine.config.verify_width - 1
 
     def submit(self, prompt_ids, sampling: SamplingParams, max_new_tokens: int, stop, logprobs: int | None = None,
-               loop=None) -> Job:
+               loop=None, speculate: bool = True) -> Job:
         if self._draining:
             raise OverloadError("the server is shutting down")
-        seq = self.engine.sequence(next(self._ids), prompt_ids, sampling, max_new_tokens, stop)
+        seq = self.engine.sequence(next(self._ids), prompt_ids, sampling, max_new_tokens, stop,
+                                   None if speculate else self.ar_config)
         seq.logprobs_k = logprobs
         width = self.engine.config.verify_width
         if cache_positions(len(prompt_ids), max_new_tokens, width) > self.max_len:
@@ -155,7 +163,7 @@ class Scheduler:
                               f"server's context of {self.context} tokens (--max-len {self.max_len}); shorten the "
                               "prompt or lower max_tokens.")
         loop = loop or asyncio.get_running_loop()
-        job = Job(seq, loop, asyncio.Queue())
+        job = Job(seq, loop, asyncio.Queue(), speculate=speculate)
         try:
             self.pending.put_nowait(job)
         except queue.Full:
@@ -170,12 +178,15 @@ class Scheduler:
     def _emit(self, job: Job, item) -> None:
         job.loop.call_soon_threadsafe(job.out.put_nowait, item)
 
+    def _new_batch(self, speculate: bool):
+        return self.engine.new_batch(self.max_len, None if speculate else self.ar_config)
+
     def _run(self) -> None:
-        batch = self.engine.new_batch(self.max_len)
+        batches = {True: self._new_batch(True)}  # by `Job.speculate`; the AR batch opens with its first request
         while True:
             for j in self.jobs.values():
                 if j.cancelled and not j.seq.finished:
-                    batch.cancel(j.seq.index)
+                    batches[j.speculate].cancel(j.seq.index)
             # admit queued requests up to max_batch (wait briefly when idle, so the stop flag is still seen)
             new = []
             while len(self.jobs) + len(new) < self.max_batch:
@@ -188,16 +199,20 @@ class Scheduler:
                     new.append(job)
             if self._stop.is_set() and not self.jobs and not new:
                 return
-            try:
-                if new:
-                    self._admit(batch, new)
-                if batch.alive:
-                    self._dispatch(batch.step())
-                elif self.jobs:  # every job finished or was cancelled
-                    self._dispatch([])
-            except Exception:  # never let one bad step kill the server, nor one row fail the others
-                log.exception("decoding step failed; isolating the row that fails")
-                batch = self._recover()
+            for mode in (True, False):
+                group = [j for j in new if j.speculate == mode]
+                if group and mode not in batches:
+                    batches[mode] = self._new_batch(mode)
+                try:
+                    if group:
+                        self._admit(batches[mode], group)
+                    if mode in batches and batches[mode].alive:
+                        self._dispatch(batches[mode].step())
+                except Exception:  # never let one bad step kill the server, nor one row fail the others
+                    log.exception("decoding step failed; isolating the row that fails")
+                    batches[mode] = self._recover(mode)
+            if self.jobs and not any(b.alive for b in batches.values()):  # every job finished or was cancelled
+                self._dispatch([])
 
     def _admit(self, batch, new: list[Job]) -> None:
         """Prefill new requests and join them to the batch. A request whose admission fails (its own sampler,
@@ -217,15 +232,16 @@ class Scheduler:
             self.jobs[j.seq.index] = j
         self._dispatch(outs)
 
-    def _recover(self):
-        """After a failed step: each live row resumes alone (`DecodeBatch.add` of its committed tokens) and takes
-        one step; a row that fails alone is finished with its error, the others resume together in a new batch.
+    def _recover(self, speculate: bool = True):
+        """After a failed step of the `speculate` batch: each of its live rows resumes alone (`DecodeBatch.add` of
+        its committed tokens) and takes one step; a row that fails alone is finished with its error, the others
+        resume together in a new batch.
         (Resumed rows recompute their context once; in low precision that may round differently from the
         incremental cache, as any batch change does.)"""
         survivors = []
-        for j in [j for j in self.jobs.values() if not j.seq.finished]:
+        for j in [j for j in self.jobs.values() if not j.seq.finished and j.speculate == speculate]:
             try:
-                solo = self.engine.new_batch(self.max_len)
+                solo = self._new_batch(speculate)
                 solo.add([j.seq])
                 outs = solo.step()
             except Exception as e:
@@ -236,7 +252,7 @@ class Scheduler:
                 continue
             self._dispatch(outs)
             survivors.append(j)
-        batch = self.engine.new_batch(self.max_len)
+        batch = self._new_batch(speculate)
         alive = [j for j in survivors if not j.seq.finished]
         try:
             if alive:
@@ -246,7 +262,7 @@ class Scheduler:
             for j in alive:
                 self._emit(j, e)
                 del self.jobs[j.seq.index]
-            batch = self.engine.new_batch(self.max_len)
+            batch = self._new_batch(speculate)
         self._dispatch([])
         return batch
 
