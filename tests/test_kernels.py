@@ -321,3 +321,39 @@ def test_layer_stack_refuses_what_it_does_not_implement():
                         torch.zeros(1, 1, 8, dtype=torch.bfloat16), t.new_cache(1, 4).keys, t.new_cache(1, 4).values,
                         torch.tensor([[9]]), torch.zeros(1, 1, 4, dtype=torch.bool),
                         torch.full((1, 1, 33), -1), [])
+
+
+@pytest.mark.parametrize("arch", STACKED_ARCHS)
+def test_the_drafter_runs_on_the_layer_stack_beside_a_stacked_target(arch):
+    """Next to a stacked target the engine runs the drafter's layers as one C++ call too (`drafter.layer_stack`):
+    its drafts are the per-op drafter's up to bf16 rounding (a block's K/V written into the draft cache at the
+    block's positions, the context before the anchor and the whole block visible), and greedy output stays AR's."""
+    from dflashkit import DFlashConfig, DFlashDrafter
+    from dflashkit.proposers import DraftView
+
+    t = _stacked(arch)
+    cfg = DFlashConfig(hidden_size=t.hidden_size, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, intermediate_size=64, vocab_size=t.vocab_size, num_target_layers=t.num_layers,
+                       mask_token_id=3, block_size=8, target_layer_ids=[1, 3], rope_theta=10000.0)
+    drafter = DFlashDrafter(cfg).init_weights(1, std=0.3).to(torch.bfloat16)
+    eng = DFlashEngine(t, drafter, eos_token_ids=[], config=DecodeConfig(tree=12, policy="fixed"))
+    stacked = eng.drafter_proposer(eng.config)
+    assert stacked.stack is not None
+    per_op = type(stacked)(drafter, t, 8)
+    per_op.stack = None  # the same drafter through its torch modules
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(3, 20, 2 * t.hidden_size, generator=g).to(torch.bfloat16)
+    pos = torch.arange(20).expand(3, 20)
+    start = torch.tensor([20, 14, 9])  # ragged rows: each sees its own context only
+    view = DraftView(torch.tensor([5, 6, 7]), start, 20, [])
+    out = []
+    for prop in (stacked, per_op):
+        state = prop.prefill(feats, pos, pos[:, -1], 40)
+        prop.ingest(state)
+        _, logp = prop.draft(state, view, k=4, probs=True)
+        out.append(logp)
+    a, b = out
+    assert (a[..., 0] - b[..., 0]).abs().max() < 0.1 * b[..., 0].abs().max() + 0.05
+    prompts = [[5, 9, 11, 3], [7, 7, 1, 30, 31, 2, 8]]
+    ar = eng.generate(prompts, max_new_tokens=32, config=DecodeConfig.autoregressive())
+    assert [x.tokens for x in eng.generate(prompts, max_new_tokens=32)] == [x.tokens for x in ar]

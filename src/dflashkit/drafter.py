@@ -177,3 +177,30 @@ class DFlashDrafter(nn.Module):
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, ck, cv, mask)
         return self.norm(x)
+
+
+def layer_stack(drafter: DFlashDrafter):
+    """The drafter's layers as ONE C++ call per drafting step (kernels/layers.cpp, the stack the lean target runs:
+    the ~40 small torch ops per layer around the kernels were ~half of a drafting step on a CPU), or None where it
+    cannot run them (no kernels, not bf16, attention biases, a width not a multiple of 32). Its fused qkv and
+    gate/up weights are copies: build it once per drafter (`DFlashEngine` does, next to a stacked target)."""
+    from .kernels import RowLinear, load, stack_linear
+
+    c = drafter.config
+    widths = (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
+    if (load() is None or c.attention_bias or drafter.fc.weight.dtype != torch.bfloat16 or c.head_dim % 8
+            or any(w % 32 for w in widths)):
+        return None
+
+    def fused(*mods):
+        return stack_linear(RowLinear.from_bf16(torch.cat([m.weight.detach() for m in mods]).contiguous()))
+
+    stack = load().Stack(c.num_attention_heads, c.num_key_value_heads, c.head_dim, float(c.rms_norm_eps))
+    for layer in drafter.layers:
+        a, m = layer.self_attn, layer.mlp
+        stack.add_layer(layer.input_layernorm.weight.detach().contiguous(),
+                        layer.post_attention_layernorm.weight.detach().contiguous(),
+                        a.q_norm.weight.detach().contiguous(), a.k_norm.weight.detach().contiguous(),
+                        [fused(a.q_proj, a.k_proj, a.v_proj), fused(a.o_proj), fused(m.gate_proj, m.up_proj),
+                         fused(m.down_proj)], 1.0 / math.sqrt(c.head_dim))
+    return stack

@@ -58,9 +58,12 @@ class DFlashEngine:
             target.set_taps(drafter.config.target_layer_ids)
             drafter.to(device=target.device, dtype=target.dtype).eval()
             if getattr(target, "kernel", "torch") != "torch":  # the target runs our kernels: so does the drafter
+                from .drafter import layer_stack
                 from .kernels import use_rowlinear_in
 
                 use_rowlinear_in(drafter)
+                if getattr(target, "stack", None) is not None:  # and its layers too, as one C++ call
+                    drafter.stack = layer_stack(drafter)
         self._proposers: dict[tuple, DrafterProposer] = {}
         self.drafter_factory, self.lookup_factory = DrafterProposer, LookupProposer
         self.config = self.resolve(config if config is not None else DecodeConfig.recommended())

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .cache import PositionCache
-from .drafter import DFlashDrafter
+from .drafter import DFlashDrafter, rope_cos_sin
 from .errors import DFlashError
 from .lookup import LookupParams, SuffixIndex, propose
 from .tree import DraftNodes, chain_nodes, topk_tree
@@ -157,6 +157,9 @@ class DrafterProposer:
         self.d2t = d2t.to(target.device) if d2t is not None else None
         self.head = target.lm_head_weight[self.d2t] if d2t is not None else None
         self._arange_q = torch.arange(block_size, device=target.device)
+        # The drafter's layers in one C++ call (`drafter.layer_stack`), where the engine built it for a stacked
+        # target; its draft cache then holds value rows of hd + 1 (the stack's layout) and B more slots.
+        self.stack = getattr(drafter, "stack", None) if getattr(target, "stack", None) is not None else None
 
     # ---- per-batch state ------------------------------------------------------------------------------------
     def prefill(self, feats: torch.Tensor, pos: torch.Tensor, last: torch.Tensor, max_len: int) -> DraftState:
@@ -168,9 +171,12 @@ class DrafterProposer:
         # commit real tokens to; ingesting them could overwrite a real feature written in the same pass.
         idx = torch.minimum(torch.arange(P, device=feats.device)[None], last[:, None])  # [n, P]
         dev, dtype = self.target.device, self.target.dtype
+        # Stacked: the block's own K/V are written at its positions (`_stacked`), up to B - 1 past the context.
+        extra, vdim = (self.block_size, c.head_dim + 1) if self.stack is not None else (0, None)
 
         def new_cache(rows: int) -> PositionCache:
-            return PositionCache(c.num_hidden_layers, rows, c.num_key_value_heads, max_len, c.head_dim, dtype, dev)
+            return PositionCache(c.num_hidden_layers, rows, c.num_key_value_heads, max_len + extra, c.head_dim, dtype,
+                                 dev, value_dim=vdim)
         return DraftState(new_cache, feats.gather(1, idx[..., None].expand(n, P, feats.shape[-1])), pos.gather(1, idx))
 
     def ingest(self, state: DraftState) -> None:
@@ -184,6 +190,8 @@ class DrafterProposer:
     def _write(self, cache: PositionCache, feats: torch.Tensor, pos: torch.Tensor) -> None:
         dr = self.drafter
         for layer, (k, v) in enumerate(dr.context_kv(dr.fuse(feats), pos)):
+            if self.stack is not None:  # the stack's value rows: [V | 1.0] (backends/lean.py)
+                v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
             cache.write(layer, k, v, pos)
 
     # ---- drafting -------------------------------------------------------------------------------------------
@@ -208,14 +216,17 @@ class DrafterProposer:
         # id does not crash, it just drafts garbage.
         block = torch.full((b, Q), c.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = anchor
-        # Block queries see context slots strictly before the anchor (its own feature does not exist yet) and
-        # all B block tokens (bidirectional).
-        ctx_vis = torch.arange(view.ctx_len, device=dev) < view.start[:, None]  # [b, ctx_len]
-        mask = torch.cat([ctx_vis[:, None, None, :].expand(b, 1, Q, view.ctx_len),
-                          torch.ones((b, 1, Q, Q), dtype=torch.bool, device=dev)], dim=-1)
-        ctx_kv = [(state.cache.keys[l][:, :, :view.ctx_len], state.cache.values[l][:, :, :view.ctx_len])
-                  for l in range(c.num_hidden_layers)]
-        h = self.drafter(self.target.embed(block), blk_pos, ctx_kv, mask)
+        if self.stack is not None:
+            h = self._stacked(state.cache, self.target.embed(block), blk_pos, view)
+        else:
+            # Block queries see context slots strictly before the anchor (its own feature does not exist yet) and
+            # all B block tokens (bidirectional).
+            ctx_vis = torch.arange(view.ctx_len, device=dev) < view.start[:, None]  # [b, ctx_len]
+            mask = torch.cat([ctx_vis[:, None, None, :].expand(b, 1, Q, view.ctx_len),
+                              torch.ones((b, 1, Q, Q), dtype=torch.bool, device=dev)], dim=-1)
+            ctx_kv = [(state.cache.keys[l][:, :, :view.ctx_len], state.cache.values[l][:, :, :view.ctx_len])
+                      for l in range(c.num_hidden_layers)]
+            h = self.drafter(self.target.embed(block), blk_pos, ctx_kv, mask)
         # Same-position prediction: output slot j (j >= 1) proposes the token AT position anchor + j; slot 0
         # (the anchor itself) is discarded.
         logits = self.target.logits(h[:, 1:], self.head)
@@ -225,6 +236,22 @@ class DrafterProposer:
         else:
             logp, drafts = logits.float().log_softmax(-1).topk(k, dim=-1)
         return (self.d2t[drafts] if self.d2t is not None else drafts), logp
+
+
+    def _stacked(self, cache: PositionCache, x: torch.Tensor, blk_pos: torch.Tensor, view: DraftView) -> torch.Tensor:
+        """The drafter's layers in one C++ call: x [b, Q, H] the embedded block at blk_pos [b, Q] -> the final-normed
+        states [b, Q, H]. The block's K/V are written into the draft cache at the block's own positions: slots the
+        context has not reached yet (the context ends at start - 1), each rewritten with a committed token's feature
+        before any query can see it. Each query sees every slot before its row's start + B: the context before the
+        anchor and the whole block (bidirectional), as the per-op forward's mask."""
+        c, dev = self.drafter.config, x.device
+        b, Q = blk_pos.shape
+        S = view.ctx_len + Q
+        head = (torch.arange(S, device=dev)[None, None] < (view.start[:, None, None] + Q)).expand(b, Q, S)
+        cos, sin = rope_cos_sin(blk_pos, c.head_dim, c.rope_theta, x.dtype)  # [b, 1, Q, hd]
+        out, _ = self.stack.forward(x, cos[:, 0], sin[:, 0], cache.keys, cache.values, blk_pos, head.contiguous(),
+                                    torch.empty((b, Q, 0), dtype=torch.long, device=dev), [])
+        return self.drafter.norm(out)
 
 
 class LookupProposer:

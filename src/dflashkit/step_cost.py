@@ -232,6 +232,8 @@ def cost_key(target, proposer) -> str:
     engine = engine_identity(target)
     if getattr(target, "kernel", "torch") != "torch":
         engine += "/drafter-rowlinear-v2"
+    if getattr(proposer, "stack", None) is not None:
+        engine += "/drafter-layers"
     engine += "/draft-ctx"  # models calibrated before the drafter's context and ingest terms lack them
     return machine_key("step-cost", engine, target.architecture, target.hidden_size, target.num_layers,
                        target.vocab_size, target.dtype, target.device, draft)
