@@ -90,8 +90,10 @@ def sweep(engine, prompts, sizes, max_new, desc, base: int, min_chunks: int) -> 
         best = max(out[str(n)]["ar"]["tokens_per_s"], out[str(n)]["fixed"]["tokens_per_s"])
         out[str(n)]["adaptive_vs_best"] = round(out[str(n)]["adaptive"]["tokens_per_s"] / best, 4)
         out[str(n)]["adaptive_vs_best_median_chunk"] = round(statistics.median(ratios), 4)
+        out[str(n)]["adaptive_vs_best_chunks"] = [round(r, 4) for r in ratios]
         out[str(n)]["policy"] = {"drafter_fraction": round((after["drafter_steps"] - before["drafter_steps"]) / steps,
                                                            4),
+                                 "plain_fraction": round((after["plain_steps"] - before["plain_steps"]) / steps, 4),
                                  "nodes_per_row": round((after["nodes"] - before["nodes"]) / rows, 3),
                                  "mean_width": round((after["width"] - before["width"]) / steps, 3)}
         print(json.dumps({desc: {n: out[str(n)]}}), flush=True)
