@@ -4,7 +4,7 @@
 
 Why interleaved: on a shared 2-core host the same command ran 40 % slower five minutes later (AR at batch 1:
 63 s, then 90 s, in one `dflashkit bench` run), which swamps a 5 % question. Here every chunk of prompts is
-decoded by all three methods in lockstep (one step of each in turn, rotating who goes first), so drift hits them
+decoded by all three methods in lockstep (one step of each in turn; who goes first and who follows whom balanced over chunks: `turn_order`), so drift hits them
 alike; back-to-back chunks were not enough (`run_lockstep`). Why decode throughput
 (generated tokens after the first / time after the prefill): the prefill is the same work for every method and on
 a CPU without bf16 units it dominates (4 HumanEval prompts: ~13 s of prefill, ~2 s of decoding 32 tokens) and
@@ -26,6 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dflashkit import DecodeConfig, DFlashEngine
+from dflashkit.bench import turn_order
 from dflashkit.bench.datasets import load_dataset
 from dflashkit.loader import encode_chat, load_models
 
@@ -72,8 +73,7 @@ def sweep(engine, prompts, sizes, max_new, desc, base: int, min_chunks: int) -> 
         pol = engine.policy(engine.resolve(METHODS["adaptive"]))
         before = dict(vars(pol.stats))
         for k, chunk in enumerate(tqdm(chunks, desc=f"{desc} batch {n}", unit="chunk")):
-            names = list(METHODS)
-            names = names[k % 3:] + names[:k % 3]  # rotate who goes first
+            names = turn_order(list(METHODS), k)  # who goes first and who follows whom, balanced
             rate = {}
             for m, (toks, dec, total, acc) in run_lockstep(engine, chunk, names, max_new).items():
                 tot[m][0] += toks

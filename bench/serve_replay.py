@@ -25,6 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dflashkit import DecodeConfig, DFlashEngine
+from dflashkit.bench import turn_order
 from dflashkit.bench.datasets import load_dataset
 from dflashkit.loader import encode_chat, load_models
 
@@ -63,8 +64,7 @@ class Replay:
 
 
 def run(engine, prompts, concurrency: int, max_tokens: int, k: int) -> dict:
-    names = list(MODES)
-    names = names[k % len(names):] + names[:k % len(names)]  # rotate who goes first
+    names = turn_order(list(MODES), k)  # who goes first and who follows whom, balanced over rounds
     reps = {m: Replay(engine, MODES[m], prompts, concurrency, max_tokens) for m in names}
     going = set(names)
     while going:

@@ -7,7 +7,7 @@ import torch
 
 from dflashkit import DecodeConfig, DFlashError, LookupParams
 from dflashkit.bench import (BenchConfig, Turn, aggregate, load_dataset, load_prompt_file, markdown,
-                             near_tie_threshold, run_bench, run_interleaved, write_report)
+                             near_tie_threshold, run_bench, run_interleaved, turn_order, write_report)
 
 
 def test_dataset_loaders():
@@ -237,3 +237,18 @@ def test_peer_rows_compare_with_their_own_engines_ar():
     log = ("slot update_slots: id  0 | task 0 | accepted  3/15 draft tokens\n"
            "slot update_slots: id  0 | task 0 | accepted 12/15 draft tokens\n")
     assert [int(a) for a, _ in ACCEPTED.findall(log)] == [3, 12]
+
+
+def test_lockstep_turn_order_balances_who_goes_first_and_who_follows_whom():
+    """Over 2 x n rounds every method goes first equally often AND follows every other method equally often (the
+    turns are cyclic: the first follows the last of the round before); rotation alone keeps one cycle, where the
+    default always followed the fixed tree."""
+    from collections import Counter
+
+    names = ["ar", "fixed", "adaptive"]
+    orders = [turn_order(names, k) for k in range(2 * len(names))]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert Counter(o[0] for o in orders) == Counter({m: 2 for m in names})
+    follows = Counter((o[i - 1], o[i]) for o in orders for i in range(len(o)))
+    assert follows == Counter({(a, b): 3 for a in names for b in names if a != b})
+    assert turn_order(names, 0) == names and turn_order(names, 1) == names[::-1]

@@ -11,11 +11,11 @@ from .exactness import (calibrate_noise, first_divergence, is_near_tie, mismatch
 from .peers import (PEERS, BenchContext, EngineMethod, HFMethod, LlamaCppMethod, Skip, Turn, VLLMMethod, ZLabMethod,
                     accepted_from_counters, peer_python, vllm_env, vllm_python, zlab_python)
 from .report import markdown, plots, write_markdown, write_report
-from .runner import BenchConfig, aggregate, batch_sweep, run_bench, run_interleaved, run_item
+from .runner import BenchConfig, aggregate, batch_sweep, run_bench, run_interleaved, run_item, turn_order
 
 __all__ = ["HUMANEVAL_WRAPPER", "MATH_SUFFIX", "PEERS", "BenchConfig", "BenchContext", "EngineMethod", "HFMethod",
            "LlamaCppMethod", "Skip", "Turn", "VLLMMethod", "ZLabMethod", "accepted_from_counters", "aggregate",
            "batch_sweep", "calibrate_noise", "first_divergence", "is_near_tie", "load_dataset", "load_prompt_file",
            "markdown", "mismatches", "near_tie_threshold", "noise_summary", "peer_python", "plots", "rounding_noise",
-           "run_bench", "run_interleaved", "run_item", "vllm_env", "vllm_python", "write_markdown", "write_report",
-           "zlab_python"]
+           "run_bench", "run_interleaved", "run_item", "turn_order", "vllm_env", "vllm_python", "write_markdown",
+           "write_report", "zlab_python"]
