@@ -301,8 +301,11 @@ class DecodeBatch:
             # The drafter's context: the accepted path's features at their positions. Past a, `path` repeats the
             # end node, so those entries repeat (feature, position) of the last accepted node: harmless rewrites.
             D1 = tree.max_depth + 1
-            self.dstate.append(feats.gather(1, path[:, :D1, None].expand(b, D1, feats.shape[-1])),
-                               self.start[:, None] + torch.minimum(depth[None, :D1], a[:, None]))
+            if D1 == 1:  # the anchor alone (a plain step): its feature, at its own position; no gather to pay
+                self.dstate.append(feats[:, :1], self.start[:, None])
+            else:
+                self.dstate.append(feats.gather(1, path[:, :D1, None].expand(b, D1, feats.shape[-1])),
+                                   self.start[:, None] + torch.minimum(depth[None, :D1], a[:, None]))
         self.anchor = committed.gather(1, a[:, None])[:, 0]  # the bonus token: the next anchor
         # Why capped by what each row is still owed: a row whose budget ends inside the accepted path finishes and
         # rides along frozen until compaction; its start must stay within prompt + max_new_tokens, or the next

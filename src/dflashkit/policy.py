@@ -420,6 +420,9 @@ class AdaptivePolicy:
         st.plain_steps += not plan.looked
         st.width += plan.width
         st.rows += plan.live
+        if not plan.looked:  # a plain step: the anchors alone, nothing drafted or predicted to learn from
+            st.committed += sum(int(row[span]) + 1 for row in host if row is not None)
+            return
         ps, ok = [], []
         for r, row in enumerate(host):
             if row is None:
