@@ -4,8 +4,9 @@
 
 Why interleaved: on a shared 2-core host the same command ran 40 % slower five minutes later (AR at batch 1:
 63 s, then 90 s, in one `dflashkit bench` run), which swamps a 5 % question. Here every chunk of prompts is
-decoded by all three methods in lockstep (one step of each in turn; who goes first and who follows whom balanced over chunks: `turn_order`), so drift hits them
-alike; back-to-back chunks were not enough (`run_lockstep`). Why decode throughput
+decoded by all three methods in lockstep (one step of each in turn; who goes first and who follows whom balanced
+over chunks: `turn_order`), so drift hits them alike; back-to-back chunks were not enough (`run_lockstep`). Why
+decode throughput
 (generated tokens after the first / time after the prefill): the prefill is the same work for every method and on
 a CPU without bf16 units it dominates (4 HumanEval prompts: ~13 s of prefill, ~2 s of decoding 32 tokens) and
 varies by +-1 s, which would hide the decoding entirely; the total with prefill is kept in the JSON. Reported per
