@@ -16,14 +16,15 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14] * 10, [4, 40, 41, 42, 43, 44,
 
 def with_oracle(engine, reference, keep=0.75, seed=0):
     """Replace half-random drafts by the true continuation (prob `keep` per slot) so that blocks are
-    partly accepted; the real drafter still runs (and writes its cache) underneath."""
-    rng = random.Random(seed)
+    partly accepted; the real drafter still runs (and writes its cache) underneath. The draws are seeded per
+    (sequence, position), so they do not depend on the order of the batch's rows."""
 
     class Oracle(engine.drafter_factory):
         def draft(self, state, view, k=1, probs=False):
             d, logp = super().draft(state, view, k, probs)
             for r, (s, st) in enumerate(zip(view.seqs, view.start.tolist())):
                 full = reference[s.index]
+                rng = random.Random(f"{seed}-{s.index}-{st}")
                 for j in range(1, d.shape[1] + 1):
                     if st + j < len(full) and rng.random() < keep:
                         # the truth at rank 0 (k = 1) or at one of the top 3 ranks (a tree must find it off the argmax)
@@ -177,6 +178,64 @@ def check_caches_while_decoding(eng, t, dr, prompts, max_new):
     return checked, steps
 
 
+def test_the_cache_store_keeps_each_rows_used_slots_through_joins_and_leaves():
+    """PositionCache's row store: a select in any order (in place where it can be, gathered where a source was
+    overwritten), joins of shorter prompt caches into free rows, and growth keep every row's slots 0..used-1."""
+    torch.manual_seed(0)
+
+    def filled(rows, max_len):
+        c = PositionCache(2, rows, 2, max_len, 4, torch.float64, torch.device("cpu"), value_dim=5)
+        for layer in c.keys + c.values:
+            layer.normal_()
+        return c
+
+    def snapshot(c):  # per row: its (keys, values) of every layer
+        return [([k[r].clone() for k in c.keys], [v[r].clone() for v in c.values]) for r in range(c.batch_size)]
+
+    def check(c, want, used):  # used: one for all rows, or one per row
+        assert c.batch_size == len(want)
+        for r, (ks, vs) in enumerate(want):
+            u = used[r] if isinstance(used, list) else used
+            for layer, (k, v) in enumerate(zip(ks, vs)):
+                assert torch.equal(c.keys[layer][r, :, :u], k[:, :u])
+                assert torch.equal(c.values[layer][r, :, :u], v[:, :u])
+
+    c = filled(5, 16)
+    rows = snapshot(c)
+    c.select(torch.tensor([0, 4, 2]), used=10)  # compaction: holes filled from the end, in place
+    check(c, [rows[0], rows[4], rows[2]], 10)
+    kept = snapshot(c)
+    c.select(torch.tensor([1, 0, 2]), used=10)  # a swap: the second move's source was overwritten -> gathered
+    check(c, [kept[1], kept[0], kept[2]], 10)
+    kept = snapshot(c)
+    new = filled(2, 7)  # two prompts' own caches (7 slots) join the free rows: no growth
+    c.extend(new)
+    assert c.capacity == 5
+    check(c, kept + snapshot(new), 7)
+    kept = snapshot(c)
+    more = filled(3, 7)
+    c.extend(more)  # full: the store grows, the rows already there keep every slot
+    assert c.capacity >= 8 and c.keys[0].is_contiguous()
+    check(c, kept + snapshot(more), [16] * 5 + [7] * 3)
+    with pytest.raises(ValueError, match="cannot join"):
+        c.extend(filled(1, 32))
+
+
+def test_prompts_are_prefilled_in_groups_of_similar_length():
+    """A short prompt is not padded to a long one's length (prefill_groups), and the groups' rows decode exactly
+    as each prompt alone (float64, the lean backend: row-invariant)."""
+    from dflashkit.batch import prefill_groups
+
+    assert prefill_groups([240, 40, 230, 45, 5]) == [[0, 2], [3, 1], [4]]
+    assert prefill_groups([10, 10, 10]) == [[0, 1, 2]]
+    assert sorted(i for g in prefill_groups([7, 3, 90, 12, 12, 1]) for i in g) == list(range(6))
+    t = make_target("llama", backend="lean")
+    eng = DFlashEngine(t, make_drafter(t, block_size=4), eos_token_ids=[], config=PLAIN)
+    prompts = [list(range(4, 64)), [5, 6], list(range(10, 66)), [7, 8, 9]]
+    alone = [eng.generate([p], max_new_tokens=12)[0].tokens for p in prompts]
+    assert [g.tokens for g in eng.generate(prompts, max_new_tokens=12)] == alone
+
+
 def test_a_joining_prompt_stays_pending_until_the_drafter_runs(arch):
     """The drafter's state of joining rows is lazy: no cache and every prompt feature pending (a shorter prompt
     padded by repeating its last position) until the drafter first runs; rows joining a batch whose drafter already
@@ -249,7 +308,8 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_rows_finishing_at_different_times_in_a_big_batch():
-    """8 rows with different max_new_tokens: finished rows first ride along frozen, then leave the batch."""
+    """8 rows with different max_new_tokens: each finished row leaves the batch before the next step (its hole
+    filled by the last row), the others' outputs unchanged."""
     t = make_target("qwen3")
     eng = DFlashEngine(t, make_drafter(t, block_size=4), eos_token_ids=[], config=PLAIN)
     prompts = PROMPTS * 2
@@ -291,12 +351,12 @@ def test_sequences_join_and_leave_a_running_batch(arch, backend):
 
 
 def test_a_row_ending_mid_block_does_not_push_the_batch_past_its_cache():
-    """A row whose budget ends inside an accepted block rides along frozen until compaction; its start must stop
-    at its budget (before the fix it advanced by the whole block: the next verify, its slots past the cache that was
-    sized by prompt + max_new_tokens + tree width, raised 'exceeds the cache')."""
+    """A row whose budget ends inside an accepted block: its start must stop at its budget (before the fix it
+    advanced by the whole block; while finished rows rode along until a quarter of the batch was done, the next
+    verify's slots ran past the cache, sized by prompt + max_new_tokens + tree width: 'exceeds the cache')."""
     t = make_target("llama")
     eng = DFlashEngine(t, make_drafter(t, block_size=8), eos_token_ids=[], config=PLAIN)
-    prompts = [list(range(4, 44))] + [[5 + i, 6, 7, 8, 9] for i in range(4)]  # 5 rows: 1 finished is no compaction
+    prompts = [list(range(4, 44))] + [[5 + i, 6, 7, 8, 9] for i in range(4)]
     budgets = [3, 30, 30, 30, 30]
     ar, ref = reference_runs(eng, prompts, 30)
     with_oracle(eng, ref, keep=1.0)

@@ -117,6 +117,26 @@ class SeqState:
         return StepOutput(self.index, self.generated[before:], self.finished, self.finish_reason, self.stats)
 
 
+# Padding a prompt group may add, as a share of its real tokens (`prefill_groups`). Why: one forward over n
+# right-padded prompts computes n x the longest; a prompt of 40 tokens beside one of 240 paid 6x its own prefill.
+# A forward of its own costs a read of the weights (~10 ms, a few prompt tokens' worth on 2 cores) instead.
+PAD_SHARE = 0.25
+
+
+def prefill_groups(lens: list[int]) -> list[list[int]]:
+    """Indices of prompts of lengths `lens` in groups prefilled together: longest first, a prompt joins the
+    current group while the group's padding stays within PAD_SHARE of its real tokens."""
+    groups, real, longest = [], 0, 0
+    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+        if groups and (len(groups[-1]) + 1) * longest <= (1 + PAD_SHARE) * (real + lens[i]):
+            groups[-1].append(i)
+            real += lens[i]
+            continue
+        groups.append([i])
+        real = longest = lens[i]
+    return groups
+
+
 def stop_cut(gen: list[int], before: int, stop: list[str], tokenizer) -> int | None:
     """Smallest token count k > before such that the tail of gen[:k] contains a stop string."""
     ctx = max(len(x) for x in stop) + 2  # tokens of look-back: a stop string may straddle the step boundary
@@ -166,17 +186,38 @@ class DecodeBatch:
 
         A sequence that already has tokens (`generated`) resumes: its prompt and all but its last token are
         prefilled, and the last one is the anchor, as if it had decoded here all along (the server's recovery
-        after a failed step). Its seeded sampler restarts from its seed; its next tokens come from the next step."""
-        tgt = self.target
-        dev, n = tgt.device, len(seqs)
-        # Why generated[:-1]: the anchor (the last committed token) never has K/V before the step that verifies it.
-        ctx = [s.prompt + s.generated[:-1] for s in seqs]
-        lens = [len(c) for c in ctx]
-        P = max(lens)
+        after a failed step). Its seeded sampler restarts from its seed; its next tokens come from the next step.
+        Prompts of similar length are prefilled together (`prefill_groups`); nothing joins until all are done, so a
+        failed `add` joins nothing."""
         if any(cache_positions(len(s.prompt), s.max_new_tokens, self.width) > self.max_len for s in seqs):
             raise DFlashError(f"a request needs more than the batch's {self.max_len} cache positions; "
                               "shorten the prompt or lower max_new_tokens.")
-        tcache = tgt.new_cache(n, self.max_len)
+        # Why generated[:-1]: the anchor (the last committed token) never has K/V before the step that verifies it.
+        ctx = [s.prompt + s.generated[:-1] for s in seqs]
+        parts = [self._prefill([seqs[i] for i in g], [ctx[i] for i in g])
+                 for g in prefill_groups([len(c) for c in ctx])]
+        firsts = []
+        for group, first, lps, state in parts:
+            self._join(group, *state)
+            firsts += [(s, tok, lps[i] if lps else None) for i, (s, tok) in enumerate(zip(group, first))]
+        now = time.perf_counter()
+        out = []
+        for s, tok, lp in firsts:
+            if s.generated:  # a resumed sequence: its anchor is its last token, nothing new to hand out
+                continue
+            s.t_first = now
+            s.stats.ttft_s = now - s.t_arrival
+            out.append(s.commit([tok], self.eos_ids, self.tokenizer, lp))
+        return out
+
+    def _prefill(self, seqs: list[SeqState], ctx: list[list[int]]):
+        """One forward over the contexts `ctx` of `seqs`, right-padded: (seqs, their first tokens, their
+        log-probabilities or None, what `_join` takes)."""
+        tgt = self.target
+        dev, n = tgt.device, len(seqs)
+        lens = [len(c) for c in ctx]
+        P = max(lens)
+        tcache = tgt.new_cache(n, P)  # the prompts' own cache: `_join` copies their P slots into the batch's
         # Right-padded prompts at positions 0..P-1 (padding slots are never visible, see cache.py).
         ids = torch.zeros((n, P), dtype=torch.long)
         for i, c in enumerate(ctx):
@@ -187,28 +228,21 @@ class DecodeBatch:
         sampler = Sampler([s.params for s in seqs], dev)
         logits = tgt.logits(hidden[torch.arange(n, device=dev), last][:, None])  # [n, 1, V]
         first = sampler(logits)  # [n, 1]
-        fresh = [not s.generated for s in seqs]
+        fresh = torch.tensor([not s.generated for s in seqs], device=dev)
         lps = token_logprobs(logits, first, seqs)
         known = torch.tensor([s.generated[-1] if s.generated else 0 for s in seqs], device=dev)
-        anchor = torch.where(torch.tensor(fresh, device=dev), first[:, 0], known)
+        anchor = torch.where(fresh, first[:, 0], known)
         dstate = self.drafter.prefill(feats, pos, last, self.max_len) if self.drafter else None
-        self._join(seqs, tcache, dstate, sampler, last + 1, anchor, lens)
-        now = time.perf_counter()
-        out = []
-        for i, (s, tok) in enumerate(zip(seqs, first[:, 0].tolist())):
-            if not fresh[i]:
-                continue
-            s.t_first = now
-            s.stats.ttft_s = now - s.t_arrival
-            out.append(s.commit([tok], self.eos_ids, self.tokenizer, lps[i] if lps else None))
-        return out
+        return seqs, first[:, 0].tolist(), lps, (tcache, dstate, sampler, last + 1, anchor, lens)
 
     def _join(self, seqs, tcache, dstate, sampler, start, anchor, starts) -> None:
+        if self.tcache is None:  # the batch's cache: max_len slots per row, reused by the rows that join later
+            self.tcache = self.target.new_cache(0, self.max_len)
+        self.tcache.extend(tcache)
         if not self.seqs:
             self.seqs, self.starts = list(seqs), list(starts)
-            self.tcache, self.dstate, self.sampler, self.start, self.anchor = tcache, dstate, sampler, start, anchor
+            self.dstate, self.sampler, self.start, self.anchor = dstate, sampler, start, anchor
             return
-        self.tcache.extend(tcache)
         if dstate is not None:
             self.dstate.extend(dstate)
         self.sampler.extend(sampler)
@@ -217,11 +251,20 @@ class DecodeBatch:
         self.starts += list(starts)
 
     def _compact(self) -> None:
-        keep = [i for i, s in enumerate(self.seqs) if not s.finished]
+        """Drop finished rows: each hole is filled by a live row from the end of the batch (so a finished row
+        costs one row's move, not a shift of every row after it; row order carries no meaning)."""
+        live = [i for i, s in enumerate(self.seqs) if not s.finished]
+        n = len(live)
+        tail = iter(i for i in live if i >= n)
+        keep = [i if not self.seqs[i].finished else next(tail) for i in range(n)]
         rows = torch.tensor(keep, dtype=torch.long, device=self.target.device)
-        self.tcache.select(rows)
+        # Why max(starts) slots: a row's committed context sits at positions < start (the anchor, at start, has no
+        # K/V yet, in the target's cache or the drafter's); every slot from start on is rewritten by the forward
+        # that next reads it. So only those are copied when a row moves.
+        used = max(self.starts, default=0)
+        self.tcache.select(rows, used)
         if self.dstate is not None:
-            self.dstate.select(rows)
+            self.dstate.select(rows, used)
         self.start, self.anchor = self.start[rows], self.anchor[rows]
         self.sampler.select(keep)
         self.seqs = [self.seqs[i] for i in keep]
@@ -232,9 +275,9 @@ class DecodeBatch:
     def step(self) -> list[StepOutput]:
         """One propose -> verify -> commit cycle for every sequence in the batch."""
         n_alive = sum(not s.finished for s in self.seqs)
-        # Finished rows leave the batch, but compaction copies every cache, so a big batch waits until a quarter
-        # of its rows are done; until then they ride along frozen (start does not advance).
-        if n_alive < len(self.seqs) and (n_alive == 0 or (len(self.seqs) - n_alive) * 4 >= len(self.seqs)):
+        # Finished rows leave the batch before the next forward: a row riding along frozen costs a row of every
+        # pass, while compaction moves at most one row per finished one, its used slots only (`_compact`).
+        if n_alive < len(self.seqs):
             self._compact()
         if not self.seqs:
             return []

@@ -105,9 +105,10 @@ class DraftState:
         if len(self._feats) > 1:
             self._feats, self._pos = [torch.cat(self._feats, 1)], [torch.cat(self._pos, 1)]
 
-    def select(self, rows: torch.Tensor) -> None:
+    def select(self, rows: torch.Tensor, used: int | None = None) -> None:
+        """Keep rows `rows`; used: the cache slots any kept row still needs (`PositionCache.select`)."""
         if self.cache is not None:
-            self.cache.select(rows)
+            self.cache.select(rows, used)
         self.pend_feats, self.pend_pos = self.pend_feats[rows], self.pend_pos[rows]
 
     def extend(self, other: "DraftState") -> None:
