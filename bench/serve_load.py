@@ -13,7 +13,9 @@ tau from the server's own statistics (vLLM: its /metrics acceptance counters). A
 each concurrency level is run by every mode back to back in a rotating order (drift on a shared host hits all
 modes alike). `--one-server`: `ar` is not a server of its own but the `default` server's requests sent with
 `speculate: false` (its AR batch: the same weights in the same process), which takes the process-to-process spread
-out of the default / AR ratio. Writes serve_load.json, serve_load.md and serve_load.png.
+out of the default / AR ratio; with it, `ar-again` sends the same AR requests once more in every cell (an A/A
+control: what the same work measures twice here, the floor under any ratio in the table). Writes serve_load.json,
+serve_load.md and serve_load.png.
 """
 
 from __future__ import annotations
@@ -261,13 +263,16 @@ def main() -> int:
     # one set of processes cannot average out).
     for r in range(args.rounds if args.restart else 1):
         order = modes[r % len(modes):] + modes[:r % len(modes)]
-        servers = start_all([m for m in order if not (shared and m == "ar")], args, threads, out, prompts, skipped)
+        servers = start_all([m for m in order if not (shared and m in ("ar", "ar-again"))], args, threads, out,
+                            prompts, skipped)
         with contextlib.ExitStack() as stack:
             for mode in order:
                 if mode in servers:
                     servers[mode] = stack.enter_context(servers[mode])
             if shared and "default" in servers:  # its AR warm-up: the AR batch's first request
                 servers["ar"] = servers["default"][:3] + (False,)
+                if "ar-again" in modes:
+                    servers["ar-again"] = servers["ar"]
                 ask(servers["ar"][2], prompts[0], args.max_tokens, False)
             names = [m for m in modes if m in servers]
             for _ in range(1 if args.restart else args.rounds):
@@ -324,10 +329,20 @@ def report(meta: dict, rows: list[dict], out: Path) -> str:
     ar = {r["concurrency"]: r for r in rows if r["mode"] == "ar"}
     ada = [r for r in rows if r["mode"] == "default" and r["concurrency"] in fixed and r["concurrency"] in ar]
     if ada:  # the acceptance rule of the adaptive policy: >= 0.95 x the better of AR and the fixed tree
-        md += ["", "| concurrency | default / max(ar, default-fixed), throughput |", "|---|---|"]
+        md += ["", "| concurrency | default / max(ar, default-fixed), throughput | per round |", "|---|---|---|"]
         for r in ada:
-            best = max(ar[r["concurrency"]]["throughput_tok_s"], fixed[r["concurrency"]]["throughput_tok_s"])
-            md.append(f"| {r['concurrency']} | {r['throughput_tok_s'] / best:.3f} |")
+            a, f = ar[r["concurrency"]], fixed[r["concurrency"]]
+            best = max(a["throughput_tok_s"], f["throughput_tok_s"])
+            rounds = [f"{d / max(x, y):.3f}" for d, x, y in zip(r["rounds_throughput"], a["rounds_throughput"],
+                                                               f["rounds_throughput"])]
+            md.append(f"| {r['concurrency']} | {r['throughput_tok_s'] / best:.3f} | {' / '.join(rounds)} |")
+    again = {r["concurrency"]: r for r in rows if r["mode"] == "ar-again"}
+    if again and ar:  # the A/A control: the same AR requests measured twice in each cell
+        md += ["", "The same AR requests measured twice (A/A control: the noise floor of each cell):", "",
+               "| concurrency | ar-again / ar, throughput | per round |", "|---|---|---|"]
+        for c, r in again.items():
+            rounds = [f"{x / y:.3f}" for x, y in zip(r["rounds_throughput"], ar[c]["rounds_throughput"])]
+            md.append(f"| {c} | {r['throughput_tok_s'] / ar[c]['throughput_tok_s']:.3f} | {' / '.join(rounds)} |")
     md += [f"\nskipped `{m}`: {why}" for m, why in meta.get("skipped", {}).items()]
     (out / "serve_load.md").write_text("\n".join(md) + "\n")
     import matplotlib

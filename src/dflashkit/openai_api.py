@@ -183,7 +183,7 @@ class Responder:
                                                                     else req.seed - i)
                 params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed)
                 jobs.append(self.sched.submit(prompt_ids, params, max_new, req.stops(), req.logprobs_k(),
-                                              speculate=req.speculate))
+                                              speculate=req.speculate, stream=bool(req.stream)))
         except (DFlashError, OverloadError) as e:
             for j in jobs:
                 self.sched.cancel(j)

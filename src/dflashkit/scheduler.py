@@ -35,6 +35,7 @@ class Job:
     out: asyncio.Queue  # StepOutput items, then None
     cancelled: bool = False
     speculate: bool = True  # False: decoded autoregressively, in the scheduler's AR batch
+    stream: bool = True  # False: only the end (None) or an error is handed over, not each step's tokens
 
 
 @dataclass
@@ -151,7 +152,9 @@ class Scheduler:
         return self.max_len - self.engine.config.verify_width - 1
 
     def submit(self, prompt_ids, sampling: SamplingParams, max_new_tokens: int, stop, logprobs: int | None = None,
-               loop=None, speculate: bool = True) -> Job:
+               loop=None, speculate: bool = True, stream: bool = True) -> Job:
+        """Queue a request. stream: hand each step's tokens (`StepOutput`) to `Job.out`; False: only the end (the
+        request's tokens are then read from `Job.seq`), so a JSON response costs the event loop nothing per step."""
         if self._draining:
             raise OverloadError("the server is shutting down")
         seq = self.engine.sequence(next(self._ids), prompt_ids, sampling, max_new_tokens, stop,
@@ -163,7 +166,7 @@ class Scheduler:
                               f"server's context of {self.context} tokens (--max-len {self.max_len}); shorten the "
                               "prompt or lower max_tokens.")
         loop = loop or asyncio.get_running_loop()
-        job = Job(seq, loop, asyncio.Queue(), speculate=speculate)
+        job = Job(seq, loop, asyncio.Queue(), speculate=speculate, stream=stream)
         try:
             self.pending.put_nowait(job)
         except queue.Full:
@@ -176,7 +179,18 @@ class Scheduler:
         job.cancelled = True  # the worker drops its row before the next step
 
     def _emit(self, job: Job, item) -> None:
-        job.loop.call_soon_threadsafe(job.out.put_nowait, item)
+        self._send([(job, item)])
+
+    @staticmethod
+    def _send(items: list) -> None:
+        """Hand (job, item) pairs to their event loops: ONE wake-up per loop for all of them. Why: the engine
+        thread holds the GIL through each forward, and every wake-up of the HTTP thread's loop makes it wait for
+        that thread's Python work; one call per job per step was 16 wake-ups a step at 16 requests."""
+        loops: dict = {}
+        for job, item in items:
+            loops.setdefault(job.loop, []).append((job.out, item))
+        for loop, batch in loops.items():
+            loop.call_soon_threadsafe(_deliver, batch)
 
     def _new_batch(self, speculate: bool):
         return self.engine.new_batch(self.max_len, None if speculate else self.ar_config)
@@ -267,15 +281,23 @@ class Scheduler:
         return batch
 
     def _dispatch(self, outs) -> None:
+        items = []
         for o in outs:
             job = self.jobs.get(o.index)
-            if job is not None and o.tokens:
-                self._emit(job, o)
+            if job is not None and o.tokens and job.stream:
+                items.append((job, o))
         for idx, job in list(self.jobs.items()):
             if job.seq.finished:
                 self.metrics.observe(job.seq.stats, time.perf_counter() - job.seq.t_arrival)
-                self._emit(job, None)
+                items.append((job, None))
                 del self.jobs[idx]
+        self._send(items)
+
+
+def _deliver(batch: list) -> None:
+    """On the event loop: put each item into its job's queue."""
+    for out, item in batch:
+        out.put_nowait(item)
 
 
 class OverloadError(Exception):
