@@ -48,12 +48,18 @@ def test_greedy_speculative_matches_autoregressive_up_to_near_ties(real, capsys)
                           config=DecodeConfig(lookup=LookupParams(max_tokens=8, skip_drafter_n=2)))
     sp_lookup = hybrid.generate(prompts, max_new_tokens=n, block_size=8)
     assert max(a for g in sp_lookup for a in g.stats.accepted) > 0
-    # the CLI's default: a pruned drafter tree over the 16K most frequent ids + an adaptive lookup branch, B=16
-    tree = DFlashEngine(eng.target, eng.drafter, tokenizer=tok)  # the default: DecodeConfig.recommended()
+    # the CLI's tree: a pruned drafter tree over the 16K most frequent ids + an adaptive lookup branch, B=16,
+    # drafted every step (policy="fixed"), so its tau does not depend on how fast this host is
+    tree = DFlashEngine(eng.target, eng.drafter, tokenizer=tok, config=DecodeConfig.recommended(policy="fixed"))
     sp_tree = tree.generate(prompts, max_new_tokens=n)
     assert sum(g.stats.tau for g in sp_tree) / len(sp_tree) > 1.5
+    # the CLI's default: the same tree under the adaptive policy, which drafts only where its timings say it pays.
+    # Why no tau bound here: on a host where drafting costs more it rightly decodes more steps plainly (CI read 1.48)
+    default = DFlashEngine(eng.target, eng.drafter, tokenizer=tok)  # DecodeConfig.recommended()
+    assert default.config.policy == "adaptive"
+    sp_default = default.generate(prompts, max_new_tokens=n)
     near_ties = 0
-    runs = [(p, a, s) for p, a, s1, s2, s3 in zip(prompts, ar, sp, sp_lookup, sp_tree) for s in (s1, s2, s3)]
+    runs = [(p, a, s) for p, a, *spec in zip(prompts, ar, sp, sp_lookup, sp_tree, sp_default) for s in spec]
     for p, a, s in runs:
         if a.tokens == s.tokens:
             continue
