@@ -94,6 +94,8 @@ def sweep(engine, prompts, sizes, max_new, desc, base: int, min_chunks: int) -> 
         out[str(n)]["adaptive_vs_best_chunks"] = [round(r, 4) for r in ratios]
         out[str(n)]["policy"] = {"drafter_fraction": round((after["drafter_steps"] - before["drafter_steps"]) / steps,
                                                            4),
+                                 "drafter_steps": after["drafter_steps"] - before["drafter_steps"],
+                                 "probes": after.get("probe_steps", 0) - before.get("probe_steps", 0),
                                  "plain_fraction": round((after["plain_steps"] - before["plain_steps"]) / steps, 4),
                                  "nodes_per_row": round((after["nodes"] - before["nodes"]) / rows, 3),
                                  "mean_width": round((after["width"] - before["width"]) / steps, 3)}
@@ -114,13 +116,15 @@ def report(meta: dict, res: dict, out: Path) -> str:
         sizes = sorted(int(n) for n in rows)
         md += [f"## {d}", "", f"Run: `{meta.get('runs', {}).get(d, meta['command'])}`", "",
                "| batch | ar tok/s | fixed tok/s (tau) | adaptive tok/s (tau) | adaptive / max(ar, fixed)"
-               " | median over chunks | drafter ran | draft nodes / row / step |", "|---|---|---|---|---|---|---|---|"]
+               " | median over chunks | drafter ran (steps; probes) | draft nodes / row / step |",
+               "|---|---|---|---|---|---|---|---|"]
         for n in sizes:
             r = rows[str(n)]
             md.append(f"| {n} | {r['ar']['tokens_per_s']:.1f} | {r['fixed']['tokens_per_s']:.1f} "
                       f"({r['fixed']['tau']:.2f}) | {r['adaptive']['tokens_per_s']:.1f} ({r['adaptive']['tau']:.2f}) "
                       f"| **{r['adaptive_vs_best']:.3f}** | {r['adaptive_vs_best_median_chunk']:.3f} | "
-                      f"{100 * r['policy']['drafter_fraction']:.0f} % | {r['policy']['nodes_per_row']:.2f} |")
+                      f"{100 * r['policy']['drafter_fraction']:.1f} % ({r['policy'].get('drafter_steps', '?')}; "
+                      f"{r['policy'].get('probes', '?')}) | {r['policy']['nodes_per_row']:.2f} |")
         md.append("")
     (out / "policy_sweep.md").write_text("\n".join(md) + "\n")
     import matplotlib

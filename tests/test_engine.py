@@ -219,6 +219,14 @@ def test_the_cache_store_keeps_each_rows_used_slots_through_joins_and_leaves():
     check(c, kept + snapshot(more), [16] * 5 + [7] * 3)
     with pytest.raises(ValueError, match="cannot join"):
         c.extend(filled(1, 32))
+    kept, cap = snapshot(c), c.capacity
+    c.select(torch.tensor([0, 1]), used=16)
+    c.grow(cap - 1)  # rows appended unwritten: the kept rows stay, the store grows, every slot finite
+    assert c.batch_size == cap + 1 and c.capacity > cap
+    for r, (ks, vs) in enumerate(kept[:2]):
+        for i, (k, v) in enumerate(zip(ks, vs)):
+            assert torch.equal(c.keys[i][r], k) and torch.equal(c.values[i][r], v)
+    assert all(torch.isfinite(layer).all() for layer in c.keys + c.values)
 
 
 def test_prompts_are_prefilled_in_groups_of_similar_length():
@@ -261,17 +269,23 @@ def test_a_joining_prompt_stays_pending_until_the_drafter_runs(arch):
     eng.set_proposers(drafter=Checker)
     batch = eng.new_batch(max_len=96)
     (a, b), L = PROMPTS[2:4], max(len(PROMPTS[2]), len(PROMPTS[3]))
-    batch.add([eng.sequence(0, a, max_new_tokens=12), eng.sequence(1, b, max_new_tokens=12)])
+    batch.add([eng.sequence(0, a, max_new_tokens=12), eng.sequence(1, b, max_new_tokens=12),
+               eng.sequence(3, PROMPTS[1], max_new_tokens=2)])
     st = batch.dstate
-    assert st.cache is None and st.pending() == 2 * L
-    assert st.pend_pos.tolist() == [list(range(L)), [min(i, len(b) - 1) for i in range(L)]]
+    assert st.cache is None and st.pending() == 3 * L
+    assert st.pend_pos.tolist()[:2] == [list(range(L)), [min(i, len(b) - 1) for i in range(L)]]
     batch.step()
-    assert st.cache is not None and st.cache.batch_size == 2 and drafted == [2]
-    batch.add([eng.sequence(2, PROMPTS[0], max_new_tokens=12)])  # joins a batch whose drafter has a cache
-    assert batch.dstate.cache.batch_size == 3
+    assert st.cache is not None and st.cache.batch_size == 3 and drafted == [3]
+    while len(batch.seqs) == 3:  # the short row finishes and leaves: its row of the store keeps stale K/V
+        batch.step()
+    # joins a batch whose drafter has a cache: into the left row, unwritten (`PositionCache.grow`); the checker
+    # sees its slots [0, start) rewritten at its first draft
+    batch.add([eng.sequence(2, PROMPTS[0], max_new_tokens=12)])
+    assert batch.dstate.cache.batch_size == 3 and batch.dstate.cache.capacity == 3
+    n = len(drafted)
     while batch.alive:
         batch.step()
-    assert drafted[1] == 3 and len(drafted) > 3
+    assert drafted[n] == 3 and len(drafted) > n + 1
 
 
 def stream_batch(gen):

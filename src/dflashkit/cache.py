@@ -79,17 +79,30 @@ class PositionCache:
         b, n, S = self.batch_size, other.batch_size, other.max_len
         if S > self.max_len:
             raise ValueError(f"cannot join rows of {S} cache positions to a cache of {self.max_len}")
-        if b + n > self.capacity:
-            cap = max(b + n, self.capacity + self.capacity // 2)
-            for store, shape in ((self._kstore, self._kshape), (self._vstore, self._vshape)):
-                for i, layer in enumerate(store):
-                    grown = torch.zeros((cap, *shape), dtype=self._dtype, device=self._device)
-                    grown[:b] = layer[:b]
-                    store[i] = grown
+        self._reserve(b + n)
         for mine, theirs in ((self._kstore, other.keys), (self._vstore, other.values)):
             for layer, new in zip(mine, theirs):
                 layer[b:b + n, :, :S] = new[:, :, :S]
         self._resize(b + n)
+
+    def grow(self, n: int) -> None:
+        """Append n rows without writing them: they hold zeros (a fresh store) or a left row's stale but finite K/V.
+        For rows whose every slot is written before any query can see it (the drafter's: a joining prompt's
+        features are all pending and ingested before its first draft), where `extend` would copy a cache of zeros.
+        Why finite matters: a masked slot's weight is 0, and 0 x NaN is NaN (never `torch.empty` here)."""
+        self._reserve(self.batch_size + n)
+        self._resize(self.batch_size + n)
+
+    def _reserve(self, rows: int) -> None:
+        """Room for `rows` rows: the store grows by half (at least to `rows`) when full, keeping its rows."""
+        if rows <= self.capacity:
+            return
+        b, cap = self.batch_size, max(rows, self.capacity + self.capacity // 2)
+        for store, shape in ((self._kstore, self._kshape), (self._vstore, self._vshape)):
+            for i, layer in enumerate(store):
+                grown = torch.zeros((cap, *shape), dtype=self._dtype, device=self._device)
+                grown[:b] = layer[:b]
+                store[i] = grown
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """k, v: [B, kvh, T, hd] rows for absolute `positions` [B, T]."""

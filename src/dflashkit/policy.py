@@ -145,6 +145,7 @@ class PolicyStats:
 
     steps: int = 0
     drafter_steps: int = 0  # steps that ran the drafter
+    probe_steps: int = 0  # ... of which probes: run on the budget (`wants_drafter`), not because drafting paid
     plain_steps: int = 0  # steps taken as plain AR steps without looking (`AdaptivePolicy.looks`)
     rows: int = 0  # live rows summed over steps
     nodes: int = 0  # draft nodes verified (live rows, the anchor not counted)
@@ -183,6 +184,7 @@ class Plan:
     factor: list  # per row: `_row_factor` when chosen
     draft_in: tuple = (0, 0)  # the drafter's (context, pending features)
     looked: bool = True  # False: a plain step taken without looking
+    probe: bool = False  # the drafter ran as a probe
 
 
 class FixedPolicy:
@@ -244,7 +246,12 @@ class AdaptivePolicy:
         # The prior, before the drafter has run here: one accepted token per row from a 4-node cut (a modest drafter).
         # Where even that would not pay (a CPU whose wide passes are slow, a big batch) the drafter waits for a probe.
         self.gain, self.width, self.drafted_once = 1.0, 4.0, False
-        self.skipped = 0  # steps since the drafter last ran
+        self.skipped = 0  # steps since the drafter last ran ...
+        # ... and their predicted plain cost (ms, each at its own batch size and context). Why time, not steps x
+        # today's plain step: steps counted at batch 2 and priced at batch 16 overstated the plain time 3-4x, so a
+        # ~500 ms probe came due early and landed in a 12-s cell (bench/results/policy-batch-s19: HumanEval batch
+        # 16, one chunk at 0.85x AR).
+        self.skipped_ms = 0.0
         self.backoff = PROBE_MIN
         self.unpaid: dict[int, int] = {}  # per batch-size bucket: probes in a row that did not pay
         self.stats = PolicyStats()
@@ -259,6 +266,7 @@ class AdaptivePolicy:
         # look's real host time (wall ms) is not comparable with the model's "ms".
         self.may_skip_looks = True
         self._t_look = 0.0
+        self._probe = False  # this step's drafter run is a probe (`wants_drafter`)
 
     def _cost_of(self, batch):
         rows, ctx = len(batch.seqs), max(batch.starts)
@@ -284,6 +292,7 @@ class AdaptivePolicy:
         if self.plain_left > 0:
             self.plain_left -= 1
             self.skipped += 1
+            self.skipped_ms += self.cost.verify(len(batch.seqs), max(batch.starts) + 1)
             self._plan = Plan(kept=[np.zeros(1, dtype=np.int64)] * len(batch.seqs), own=np.zeros((len(batch.seqs), 1)),
                               p=None, m=0, width=1, drafted=False, rows=len(batch.seqs), ctx=max(batch.starts),
                               live=sum(not s.finished for s in batch.seqs), props=[[]] * len(batch.seqs),
@@ -324,6 +333,7 @@ class AdaptivePolicy:
                  + (self.width - w) * (cost_of(w + 1) - cost_of(w)))
         judged = live * (1 + self.gain) / (base + MARGIN * extra)  # as `best_cut` judges a cut
         if judged > cut[4]:
+            self._probe = False
             return True
         # The engine's first probe comes after `backoff` steps whatever it costs: nothing is known of the drafter
         # yet. Later ones wait for the budget: what drafting earns per row is known then and carries over to other
@@ -332,9 +342,11 @@ class AdaptivePolicy:
         k = batch_bucket(rows)
         if self.skipped + 1 >= self.backoff and (
                 not self.drafted_once
-                or (self.skipped + 1) * base * PROBE_BUDGET / 2 ** self.unpaid.get(k, 0) >= extra):
+                or (self.skipped_ms + base) * PROBE_BUDGET / 2 ** self.unpaid.get(k, 0) >= extra):
+            self._probe = True
             return True
         self.skipped += 1
+        self.skipped_ms += base
         return False
 
     def choose(self, batch, tree, draft, props: list, matched: list):
@@ -368,7 +380,7 @@ class AdaptivePolicy:
         depth = int(host[2][keep].max())
         self._learn_drafting(gain / max(live, 1), width, rate > self._no_draft_rate, b)
         kept = [np.flatnonzero(k) for k in keep]
-        self._plan = Plan(kept=kept, own=host[3], p=host[1], m=m, width=width, drafted=True, rows=b,
+        self._plan = Plan(kept=kept, own=host[3], p=host[1], m=m, width=width, drafted=True, probe=self._probe, rows=b,
                           ctx=max(batch.starts), live=live, props=props, matched=matched, factor=factor,
                           draft_in=self._draft_in)
         self._draft_in = (0, 0)
@@ -401,7 +413,7 @@ class AdaptivePolicy:
         self.gain = keep * self.gain + (1 - keep) * gain
         self.width = keep * self.width + (1 - keep) * width
         self.drafted_once = True
-        self.skipped = 0
+        self.skipped, self.skipped_ms = 0, 0.0
         self.backoff = PROBE_MIN if paid else min(2 * self.backoff, PROBE_MAX)
         k = batch_bucket(rows)
         self.unpaid[k] = 0 if paid else min(self.unpaid.get(k, 0) + 1, 6)
@@ -417,6 +429,7 @@ class AdaptivePolicy:
         st = self.stats
         st.steps += 1
         st.drafter_steps += plan.drafted
+        st.probe_steps += plan.probe
         st.plain_steps += not plan.looked
         st.width += plan.width
         st.rows += plan.live
