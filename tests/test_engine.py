@@ -229,6 +229,29 @@ def test_the_cache_store_keeps_each_rows_used_slots_through_joins_and_leaves():
     assert all(torch.isfinite(layer).all() for layer in c.keys + c.values)
 
 
+def test_a_reserved_batch_store_takes_its_rows_without_growing():
+    """A server's batch reserves --max-batch rows up front (`DecodeBatch.reserve`): rows joining later land in that
+    store (no reallocation mid-load) and decode as they would alone."""
+    t = make_target("llama", backend="lean")
+    eng = DFlashEngine(t, make_drafter(t, block_size=4), eos_token_ids=[], config=PLAIN)
+    alone = [eng.generate([p], max_new_tokens=10)[0].tokens for p in PROMPTS]
+    batch = eng.new_batch(max_len=64)
+    batch.reserve(len(PROMPTS))
+    store = batch.tcache._kstore[0].data_ptr()
+    got = {}
+
+    def collect(outs):
+        for o in outs:
+            got.setdefault(o.index, []).extend(o.tokens)
+    collect(batch.add([eng.sequence(i, p, max_new_tokens=10) for i, p in enumerate(PROMPTS[:2])]))
+    collect(batch.step())
+    collect(batch.add([eng.sequence(i, p, max_new_tokens=10) for i, p in enumerate(PROMPTS) if i >= 2]))
+    while batch.alive:
+        collect(batch.step())
+    assert batch.tcache.capacity == len(PROMPTS) and batch.tcache._kstore[0].data_ptr() == store
+    assert [got[i] for i in range(len(PROMPTS))] == alone
+
+
 def test_prompts_are_prefilled_in_groups_of_similar_length():
     """A short prompt is not padded to a long one's length (prefill_groups), and the groups' rows decode exactly
     as each prompt alone (float64, the lean backend: row-invariant)."""

@@ -235,6 +235,12 @@ class DecodeBatch:
         dstate = self.drafter.prefill(feats, pos, last, self.max_len) if self.drafter else None
         return seqs, first[:, 0].tolist(), lps, (tcache, dstate, sampler, last + 1, anchor, lens)
 
+    def reserve(self, rows: int) -> None:
+        """Allocate the target cache's store for `rows` rows now (a server: its --max-batch), not as rows join."""
+        if self.tcache is None:
+            self.tcache = self.target.new_cache(0, self.max_len)
+        self.tcache.reserve(rows)
+
     def _join(self, seqs, tcache, dstate, sampler, start, anchor, starts) -> None:
         if self.tcache is None:  # the batch's cache: max_len slots per row, reused by the rows that join later
             self.tcache = self.target.new_cache(0, self.max_len)

@@ -79,7 +79,7 @@ class PositionCache:
         b, n, S = self.batch_size, other.batch_size, other.max_len
         if S > self.max_len:
             raise ValueError(f"cannot join rows of {S} cache positions to a cache of {self.max_len}")
-        self._reserve(b + n)
+        self.reserve(b + n)
         for mine, theirs in ((self._kstore, other.keys), (self._vstore, other.values)):
             for layer, new in zip(mine, theirs):
                 layer[b:b + n, :, :S] = new[:, :, :S]
@@ -90,11 +90,13 @@ class PositionCache:
         For rows whose every slot is written before any query can see it (the drafter's: a joining prompt's
         features are all pending and ingested before its first draft), where `extend` would copy a cache of zeros.
         Why finite matters: a masked slot's weight is 0, and 0 x NaN is NaN (never `torch.empty` here)."""
-        self._reserve(self.batch_size + n)
+        self.reserve(self.batch_size + n)
         self._resize(self.batch_size + n)
 
-    def _reserve(self, rows: int) -> None:
-        """Room for `rows` rows: the store grows by half (at least to `rows`) when full, keeping its rows."""
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` rows: the store grows by half (at least to `rows`) when full, keeping its rows. A server
+        reserves its batch's rows up front: growing 9 -> 13 -> 19 rows of 1,024 slots under load cost ~0.4 s of
+        allocation and copies, in the middle of the first 16 concurrent requests."""
         if rows <= self.capacity:
             return
         b, cap = self.batch_size, max(rows, self.capacity + self.capacity // 2)

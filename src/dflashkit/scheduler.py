@@ -192,11 +192,16 @@ class Scheduler:
         for loop, batch in loops.items():
             loop.call_soon_threadsafe(_deliver, batch)
 
-    def _new_batch(self, speculate: bool):
-        return self.engine.new_batch(self.max_len, None if speculate else self.ar_config)
+    def _new_batch(self, speculate: bool, reserve: bool = False):
+        """reserve: the long-lived batch of this mode, its cache store allocated for max_batch rows at once."""
+        batch = self.engine.new_batch(self.max_len, None if speculate else self.ar_config)
+        if reserve:
+            batch.reserve(self.max_batch)
+        return batch
 
     def _run(self) -> None:
-        batches = {True: self._new_batch(True)}  # by `Job.speculate`; the AR batch opens with its first request
+        # by `Job.speculate`; the AR batch opens with its first request
+        batches = {True: self._new_batch(True, reserve=True)}
         while True:
             for j in self.jobs.values():
                 if j.cancelled and not j.seq.finished:
@@ -216,7 +221,7 @@ class Scheduler:
             for mode in (True, False):
                 group = [j for j in new if j.speculate == mode]
                 if group and mode not in batches:
-                    batches[mode] = self._new_batch(mode)
+                    batches[mode] = self._new_batch(mode, reserve=True)
                 try:
                     if group:
                         self._admit(batches[mode], group)
@@ -266,7 +271,7 @@ class Scheduler:
                 continue
             self._dispatch(outs)
             survivors.append(j)
-        batch = self._new_batch(speculate)
+        batch = self._new_batch(speculate, reserve=True)
         alive = [j for j in survivors if not j.seq.finished]
         try:
             if alive:
@@ -276,7 +281,7 @@ class Scheduler:
             for j in alive:
                 self._emit(j, e)
                 del self.jobs[j.seq.index]
-            batch = self._new_batch(speculate)
+            batch = self._new_batch(speculate, reserve=True)
         self._dispatch([])
         return batch
 
