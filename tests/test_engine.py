@@ -295,8 +295,9 @@ def test_a_joining_prompt_stays_pending_until_the_drafter_runs(arch):
     batch.add([eng.sequence(0, a, max_new_tokens=12), eng.sequence(1, b, max_new_tokens=12),
                eng.sequence(3, PROMPTS[1], max_new_tokens=2)])
     st = batch.dstate
-    assert st.cache is None and st.pending() == 3 * L
-    assert st.pend_pos.tolist()[:2] == [list(range(L)), [min(i, len(b) - 1) for i in range(L)]]
+    assert st.cache is None and st.lo == [0, 0, 0] and st.pending(max(batch.starts)) == 3 * L
+    _, feats = t.forward(torch.tensor([b]), torch.arange(len(b))[None], t.new_cache(1, len(b)), kv_len=len(b))
+    torch.testing.assert_close(st.feats.keys[0][1, 0, :len(b)], feats[0], rtol=1e-9, atol=1e-9)  # by position
     batch.step()
     assert st.cache is not None and st.cache.batch_size == 3 and drafted == [3]
     while len(batch.seqs) == 3:  # the short row finishes and leaves: its row of the store keeps stale K/V

@@ -167,6 +167,7 @@ class DecodeBatch:
         self.seqs: list[SeqState] = []
         self.starts: list[int] = []  # host copy of `start`
         self.tcache = self.dstate = self.sampler = None
+        self._reserved = 0  # rows `reserve` asked for
         self.start = self.anchor = None  # [b] the anchor's position, [b] the anchor (last committed token)
 
     @property
@@ -240,17 +241,21 @@ class DecodeBatch:
         if self.tcache is None:
             self.tcache = self.target.new_cache(0, self.max_len)
         self.tcache.reserve(rows)
+        self._reserved = rows  # the drafter's feature store too, when the first rows join (`_join`)
 
     def _join(self, seqs, tcache, dstate, sampler, start, anchor, starts) -> None:
         if self.tcache is None:  # the batch's cache: max_len slots per row, reused by the rows that join later
             self.tcache = self.target.new_cache(0, self.max_len)
         self.tcache.extend(tcache)
-        if not self.seqs:
-            self.seqs, self.starts = list(seqs), list(starts)
-            self.dstate, self.sampler, self.start, self.anchor = dstate, sampler, start, anchor
-            return
+        if dstate is not None and self.dstate is None:  # the batch's own: features of max_len positions per row
+            self.dstate = dstate.empty(self.max_len)
+            self.dstate.feats.reserve(self._reserved)
         if dstate is not None:
             self.dstate.extend(dstate)
+        if not self.seqs:
+            self.seqs, self.starts = list(seqs), list(starts)
+            self.sampler, self.start, self.anchor = sampler, start, anchor
+            return
         self.sampler.extend(sampler)
         self.start, self.anchor = torch.cat([self.start, start]), torch.cat([self.anchor, anchor])
         self.seqs += seqs
@@ -316,8 +321,8 @@ class DecodeBatch:
         draft = None
         if (self.drafter is not None and not self.lookup.skips_drafter(matched, self.seqs)
                 and pol.wants_drafter(self, props, matched)):
-            draft = self.drafter.propose(self.dstate, DraftView(self.anchor, self.start, max(self.starts), self.seqs),
-                                         scores=pol.adaptive)
+            view = DraftView(self.anchor, self.start, max(self.starts), self.seqs, self.starts)
+            draft = self.drafter.propose(self.dstate, view, scores=pol.adaptive)
         if draft is None:  # the policy cuts each row's lookup branch first: a plain step builds the anchor alone
             keep = pol.choose_lookup(self, props, matched)
             if keep is not None:

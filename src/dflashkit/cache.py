@@ -33,7 +33,7 @@ class PositionCache:
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, value_dim: int | None = None):
         self._kshape = (num_kv_heads, max_len, head_dim)
-        self._vshape = (num_kv_heads, max_len, value_dim or head_dim)
+        self._vshape = (num_kv_heads, max_len, head_dim if value_dim is None else value_dim)
         self._dtype, self._device, self.max_len = dtype, device, max_len
         self._kstore = [torch.zeros((batch, *self._kshape), dtype=dtype, device=device) for _ in range(num_layers)]
         self._vstore = [torch.zeros((batch, *self._vshape), dtype=dtype, device=device) for _ in range(num_layers)]

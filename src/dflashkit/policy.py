@@ -15,8 +15,8 @@ that depends on the machine, the batch size, the context length and how well the
   back-off probes so it can find out it pays again); after drafting, keeps the nodes worth more than a threshold
   chosen to maximise committed tokens per millisecond of the whole batch (`best_cut`). Keeping only the anchor is
   a plain AR step, always among the choices: by its own model the policy never picks a step slower than AR.
-  Looking costs host time too (the lookup, the cut): where recent looks found nothing worth their measured cost,
-  the next steps are plain AR steps without looking (`looks`: 1, 2, 4 then 8 steps between looks).
+  Where recent looks (lookup + cut, host time) found nothing worth their cost, the next 1, 2, 4, then 8 steps
+  are plain AR steps without looking (`looks`).
   Exact by construction: it only chooses which nodes are verified, from the drafter, the lookup and the past (never
   from this step's target samples); verification and commit are unchanged (`tree.py`).
 - `FixedPolicy`: today's shape, every step (`--policy fixed`).
@@ -33,9 +33,8 @@ import torch
 
 from .step_cost import CostModel, batch_bucket
 
-# The time a cut costs beyond the AR step counts this much more when cuts are compared: the cost and acceptance
-# models are estimates, and a guess may only risk time where the predicted win is clear. Measured: at 1.05 the
-# small bets (a lookup token here, a probe there) summed to 5-15 % below AR where nothing paid (MT-Bench, batch 4).
+# A cut's time beyond the AR step counts this much more when cuts are compared (the models are estimates): at 1.05
+# the small bets (a lookup token here, a probe there) summed to 5-15 % below AR where nothing paid (MT-Bench, b4).
 MARGIN = 1.15
 PROB_EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # drafter path-probability bins
 ANCHOR = 1e9  # the anchor's value: always kept (its verification is the AR step itself)
@@ -209,18 +208,12 @@ class FixedPolicy:
 
 
 PROBE_MIN, PROBE_MAX = 4, 64  # steps between probes of a drafter that stopped paying (doubling back-off)
-# ... and at least enough steps that a probe's extra time (the drafter, its pending features, the wider verify) is
-# at most this share of the plain decoding time since the last one; halved per probe in a row that did not pay at
-# this batch size, so where drafting never pays probing fades out (measured before: a probe at 16 rows, pending
-# features and verify included, took 647 ms against ~110 ms for a plain step; 5 % of such steps cost 20 %). 1 %, not
-# the 3 % of session 11: there a cell where drafting never paid (MT-Bench, batch 8) still ran one probe per ~100
-# steps, ~2.5 % of its time, inside a +-5 % acceptance margin; a drafter that pays shows it through `judged`.
+# ... and a probe's extra time (drafter, pending features, wider verify) at most this share of the plain time since
+# the last, halved per unpaid probe at this batch size (at 3 %, cells where drafting never paid lost ~2.5 % to it).
 PROBE_BUDGET = 0.01
 ROW_PRIOR, ROW_DECAY = 3.0, 0.9  # a row's own correction (`_row_factor`): pseudo-nodes, and the history's decay
-# Plain steps between looks once looking stops paying (`looks`): doubled per look that still did not pay, up to
-# PLAIN_MAX; LOOK_DECAY: the weight of the past in the looks' value and cost (EMA per looked step). Why a cap of 8:
-# a copy that starts is found at most 8 steps late, while at batch 16 a look (lookup + cut, ~1.5 ms of a ~50 ms
-# step, 3 %) then costs a ninth of that.
+# Plain steps between looks once looking stops paying (`looks`): doubled per unpaid look, up to PLAIN_MAX (a copy
+# is found at most 8 steps late; a look at batch 16, ~3 % of a step, then costs a ninth of that); LOOK_DECAY: EMA.
 PLAIN_MAX, LOOK_DECAY = 8, 0.7
 
 
@@ -246,12 +239,8 @@ class AdaptivePolicy:
         # The prior, before the drafter has run here: one accepted token per row from a 4-node cut (a modest drafter).
         # Where even that would not pay (a CPU whose wide passes are slow, a big batch) the drafter waits for a probe.
         self.gain, self.width, self.drafted_once = 1.0, 4.0, False
-        self.skipped = 0  # steps since the drafter last ran ...
-        # ... and their predicted plain cost (ms, each at its own batch size and context). Why time, not steps x
-        # today's plain step: steps counted at batch 2 and priced at batch 16 overstated the plain time 3-4x, so a
-        # ~500 ms probe came due early and landed in a 12-s cell (bench/results/policy-batch-s19: HumanEval batch
-        # 16, one chunk at 0.85x AR).
-        self.skipped_ms = 0.0
+        # steps since the drafter ran, and their predicted plain ms each at its own batch size (not steps x today's)
+        self.skipped, self.skipped_ms = 0, 0.0
         self.backoff = PROBE_MIN
         self.unpaid: dict[int, int] = {}  # per batch-size bucket: probes in a row that did not pay
         self.stats = PolicyStats()
@@ -287,24 +276,23 @@ class AdaptivePolicy:
     def looks(self, batch) -> bool:
         """Whether this step looks (lookup, drafter decision, cut) or is a plain AR step straight away: it looks
         unless the recent looks were worth less than they cost (`_learn_look`) and a run of plain steps is under way.
-        Exact either way: a plain step is the AR step (the anchor alone). Plain steps count toward the drafter's
-        probe (`skipped`)."""
+        Exact either way: a plain step is the AR step (the anchor alone). Plain steps count toward a probe."""
         if self.plain_left > 0:
             self.plain_left -= 1
             self.skipped += 1
             self.skipped_ms += self.cost.verify(len(batch.seqs), max(batch.starts) + 1)
-            self._plan = Plan(kept=[np.zeros(1, dtype=np.int64)] * len(batch.seqs), own=np.zeros((len(batch.seqs), 1)),
-                              p=None, m=0, width=1, drafted=False, rows=len(batch.seqs), ctx=max(batch.starts),
-                              live=sum(not s.finished for s in batch.seqs), props=[[]] * len(batch.seqs),
-                              matched=[0] * len(batch.seqs), factor=[1.0] * len(batch.seqs), looked=False)
+            b = len(batch.seqs)
+            live = sum(not s.finished for s in batch.seqs)
+            self._plan = Plan(kept=[np.zeros(1, dtype=np.int64)] * b, own=np.zeros((b, 1)), p=None, m=0, width=1,
+                              drafted=False, rows=b, ctx=max(batch.starts), live=live, props=[[]] * b,
+                              matched=[0] * b, factor=[1.0] * b, looked=False)
             return False
         self._t_look = time.perf_counter()
         return True
 
     def _learn_look(self, batch, cut: tuple, live: int) -> None:
-        """After a look without the drafter: its value (ms the chosen cut is predicted to save against the AR step
-        committing the same tokens; 0 for the AR step) and its cost (the host time since `looks`) update their
-        EMAs; where the value falls below the cost, the next `plain_span` steps are plain (doubling, PLAIN_MAX)."""
+        """After a look without the drafter: its value (ms its cut saves against AR) and cost (host ms since
+        `looks`) update their EMAs; value < cost: `plain_span` plain steps (doubling)."""
         spent = 1000 * (time.perf_counter() - self._t_look)
         base = self._cost_of(batch)(1)
         value = max((live + cut[2]) * base / max(live, 1) - (live + cut[2]) / max(cut[3], 1e-9), 0.0)
@@ -327,7 +315,7 @@ class AdaptivePolicy:
         cut = best_cut(look, live, cost_of, margin=MARGIN)
         self._no_draft_rate, self._look = cut[3], (look, cut, factor)  # `choose` reuses them
         rows, w, base = len(batch.seqs), int(self.width), cost_of(1)
-        pending = batch.dstate.pending() if batch.dstate is not None else rows
+        pending = batch.dstate.pending(max(batch.starts)) if batch.dstate is not None else rows
         self._draft_in = (max(batch.starts), pending)
         extra = (self.cost.draft(rows, *self._draft_in) + cost_of(w) - base
                  + (self.width - w) * (cost_of(w + 1) - cost_of(w)))

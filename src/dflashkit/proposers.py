@@ -53,63 +53,54 @@ def frequent_ids(drafter: DFlashDrafter, n: int) -> torch.Tensor:
 
 
 class DraftState:
-    """The drafter's per-batch state, row-aligned with the batch: its K/V cache of context features, and the
-    target features committed since it last ran, not ingested yet (`pend_*`, one width R for all rows).
+    """The drafter's per-batch state, row-aligned with the batch: its K/V cache of context features, and every
+    committed target feature of each row by position (`feats`, a row store like the K/V caches), of which
+    positions >= `lo[r]` are not in the drafter's cache yet (pending).
 
-    Why pending features may pile up: a step that skips the drafter does not pay for writing them; the next
-    drafter forward ingests them all at once. A joining prompt's features start out pending too, and the cache is
-    allocated only when the drafter first runs: under continuous batching a row the policy never drafts for costs
-    the drafter nothing (measured: its prompt prefill and cache copies in every join and compaction cost the
-    default a few % against AR). Every entry is a committed token's feature AT ITS OWN position (a row's shorter
-    list is padded by repeating its last entry), so the order of the writes cannot matter. They are kept as one
-    chunk per step and joined when read: joining on every append copied the whole pile per skipped step
-    (quadratic in the steps between drafter runs)."""
+    Why features may stay pending: a step that skips the drafter does not pay for writing them; its next forward
+    ingests them all at once (`DrafterProposer.ingest`). A joining prompt's features start out pending too, and the
+    drafter's cache is allocated only when the drafter first runs: under continuous batching a row the policy never
+    drafts for costs the drafter nothing. Why a store by position, not a list of pending chunks padded to one width
+    (sessions 8-19): while the drafter did not run, that width grew by a column per step for the batch's whole life
+    (a row joining late was padded to it), and every join and leave copied the whole pile - in a server whose
+    drafter does not pay, without bound (measured: ~1.7 s of 12 in one 16-request replay cell). Now a step writes
+    its rows' features at their positions, a join copies the new rows' prompt features, a leave moves one row's
+    used slots, and the pile is bounded by the cache length."""
 
-    def __init__(self, new_cache, pend_feats: torch.Tensor, pend_pos: torch.Tensor):
+    def __init__(self, new_cache, feats: PositionCache, lo: list[int]):
         self._new_cache = new_cache  # rows -> an empty PositionCache for that many rows
         self.cache: PositionCache | None = None  # allocated by `ensure_cache` (the drafter's first run)
-        self._feats, self._pos = [pend_feats], [pend_pos]  # chunks [b, R_i, k*H] and their positions [b, R_i]
+        self.feats = feats  # keys[0]: [rows, 1, max_len, k*H] each row's committed features at their positions
+        self.lo = lo  # per row: the first position not written into `cache` yet
 
     @property
     def rows(self) -> int:
-        return self._pos[0].shape[0]
+        return self.feats.batch_size
 
     def ensure_cache(self) -> PositionCache:
         if self.cache is None:
             self.cache = self._new_cache(self.rows)
         return self.cache
 
-    @property
-    def pend_feats(self) -> torch.Tensor:  # [b, R, k*H]
-        self._join()
-        return self._feats[0]
+    def empty(self, max_len: int) -> "DraftState":
+        """A state of no rows, its feature store `max_len` positions long (a batch's, which rows then join)."""
+        k = self.feats.keys[0]
+        return DraftState(self._new_cache, feature_store(0, max_len, k.shape[-1], k.dtype, k.device), [])
 
-    @pend_feats.setter
-    def pend_feats(self, value: torch.Tensor) -> None:
-        self._feats = [value]
-
-    @property
-    def pend_pos(self) -> torch.Tensor:  # [b, R] their positions
-        self._join()
-        return self._pos[0]
-
-    @pend_pos.setter
-    def pend_pos(self, value: torch.Tensor) -> None:
-        self._pos = [value]
-
-    def pending(self) -> int:
-        """How many features are pending in all rows (no copy)."""
-        return sum(p.numel() for p in self._pos)
-
-    def _join(self) -> None:
-        if len(self._feats) > 1:
-            self._feats, self._pos = [torch.cat(self._feats, 1)], [torch.cat(self._pos, 1)]
+    def pending(self, upto: int | None = None) -> int:
+        """The features the next ingest writes (all rows, through position `upto` - 1; default: the store's
+        length): a rectangle from the lowest pending position, as `DrafterProposer.ingest` writes it."""
+        if not self.lo:
+            return 0
+        upto = self.feats.max_len if upto is None else upto
+        return self.rows * max(upto - min(self.lo), 0)
 
     def select(self, rows: torch.Tensor, used: int | None = None) -> None:
-        """Keep rows `rows`; used: the cache slots any kept row still needs (`PositionCache.select`)."""
+        """Keep rows `rows`; used: the slots any kept row still needs (`PositionCache.select`)."""
         if self.cache is not None:
             self.cache.select(rows, used)
-        self.pend_feats, self.pend_pos = self.pend_feats[rows], self.pend_pos[rows]
+        self.feats.select(rows, used)
+        self.lo = [self.lo[i] for i in rows.tolist()]
 
     def extend(self, other: "DraftState") -> None:
         if other.cache is not None:  # the joining rows' drafter has run (a batch joined whole)
@@ -118,23 +109,22 @@ class DraftState:
             # Rows the drafter has not run for: every feature of theirs is pending, so each slot they can see is
             # written at their first ingest; no cache of zeros to build and copy (~4 MB per row at 1,024 slots)
             self.cache.grow(other.rows)
-        R = max(self.pend_pos.shape[1], other.pend_pos.shape[1])
-        a, b = _pad_last(self.pend_feats, self.pend_pos, R), _pad_last(other.pend_feats, other.pend_pos, R)
-        self.pend_feats, self.pend_pos = torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])
+        self.feats.extend(other.feats)
+        self.lo = self.lo + other.lo
 
     def append(self, feats: torch.Tensor, pos: torch.Tensor) -> None:
-        """Add one step's committed features [b, R', k*H] at positions [b, R'] to what is pending."""
-        self._feats.append(feats)
-        self._pos.append(pos)
+        """Write one step's committed features [b, R', k*H] at their positions [b, R'] (a position given twice
+        carries the same feature: a harmless rewrite)."""
+        self.feats.write(0, feats[:, None], feats[:, None, :, :0], pos)
+
+    def ingested(self, starts: list[int]) -> None:
+        """Every row's features below its start are now in the drafter's cache."""
+        self.lo = list(starts)
 
 
-def _pad_last(feats: torch.Tensor, pos: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad [b, R, ...] to width R' by repeating the last entry (a harmless rewrite of the same feature)."""
-    extra = width - pos.shape[1]
-    if extra == 0:
-        return feats, pos
-    return (torch.cat([feats, feats[:, -1:].expand(-1, extra, -1)], 1),
-            torch.cat([pos, pos[:, -1:].expand(-1, extra)], 1))
+def feature_store(rows: int, max_len: int, width: int, dtype: torch.dtype, device) -> PositionCache:
+    """A row store of `width`-wide features by position: a one-layer, one-head PositionCache without values."""
+    return PositionCache(1, rows, 1, max_len, width, dtype, device, value_dim=0)
 
 
 @dataclass
@@ -145,6 +135,7 @@ class DraftView:
     start: torch.Tensor  # [b] the anchor's position
     ctx_len: int  # max(start) on the host: the draft cache slots any row can see
     seqs: list  # the rows' host state (`batch.SeqState`: prompt + generated); oracles read it
+    starts: list[int] | None = None  # `start` on the host (None: every row at ctx_len)
 
 
 class DrafterProposer:
@@ -182,15 +173,24 @@ class DrafterProposer:
         def new_cache(rows: int) -> PositionCache:
             return PositionCache(c.num_hidden_layers, rows, c.num_key_value_heads, max_len + extra, c.head_dim, dtype,
                                  dev, value_dim=vdim)
-        return DraftState(new_cache, feats.gather(1, idx[..., None].expand(n, P, feats.shape[-1])), pos.gather(1, idx))
+        store = feature_store(n, P, feats.shape[-1], dtype, dev)  # the prompts' own: `extend` copies them in
+        state = DraftState(new_cache, store, [0] * n)
+        state.append(feats.gather(1, idx[..., None].expand(n, P, feats.shape[-1])), pos.gather(1, idx))
+        return state
 
-    def ingest(self, state: DraftState) -> None:
-        """Write the pending context features into the draft cache (allocating it on first use); nothing is
-        pending afterwards."""
+    def ingest(self, state: DraftState, starts: list[int] | None = None) -> None:
+        """Write the pending context features into the draft cache (allocating it on first use); starts: each
+        row's anchor position (its features exist below it; default: the whole store, a state of prompts alone).
+        One rectangle, positions [min(lo), max(starts)) of every row: a row's slots past its own start get stale
+        features, invisible to its queries (they see slots < start; the stacked forward first writes its block's
+        own K/V over [start, start + B)) and written again once committed, as `lo` = start marks them pending."""
         cache = state.ensure_cache()
-        if state.pend_pos.shape[1]:
-            self._write(cache, state.pend_feats, state.pend_pos)
-            state.pend_feats, state.pend_pos = state.pend_feats[:, :0], state.pend_pos[:, :0]
+        upto = max(starts) if starts else state.feats.max_len
+        lo = min(state.lo, default=upto)
+        if upto > lo:
+            feats = state.feats.keys[0][:, 0, lo:upto]  # [b, R, k*H]
+            self._write(cache, feats, torch.arange(lo, upto, device=feats.device).expand(state.rows, -1))
+        state.ingested(list(starts) if starts else [upto] * state.rows)
 
     def _write(self, cache: PositionCache, feats: torch.Tensor, pos: torch.Tensor) -> None:
         dr = self.drafter
@@ -203,7 +203,7 @@ class DrafterProposer:
     def propose(self, state: DraftState, view: DraftView, scores: bool = False) -> DraftNodes:
         """Ingest the pending features, draft one block, and return the chain or the tree of likeliest paths.
         scores: also give each node's path log-probability (the adaptive policy prunes the tree itself then)."""
-        self.ingest(state)
+        self.ingest(state, view.starts)
         # A tree of n nodes needs at most the n best tokens per slot (its beam is then exact, `topk_tree`).
         toks, logp = self.draft(state, view, k=min(self.tree, 16) if self.tree else 1, probs=scores)
         if self.tree:

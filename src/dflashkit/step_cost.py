@@ -194,7 +194,10 @@ def calibrate(target, proposer) -> CostModel:
         return CostModel([round(x, 3) for x in verify], round(ctx_ms, 4), [0.0] * len(DRAFT_GRID))
     draft = [_best_of(_draft_fn(target, proposer, b)) for b in DRAFT_GRID]
     draft_ctx = max(_best_of(_draft_fn(target, proposer, 1, ctx=DRAFT_CTX + 1024)) - draft[0], 0.0) / 1.024
-    ingest = max(_best_of(_draft_fn(target, proposer, 1, pending=257)) - draft[0], 0.0) / 0.256
+    # ms per 1,000 pending features: 257 against 1 at one context (a feature per position: the context holds them)
+    long = DRAFT_CTX + 256
+    ingest = max(_best_of(_draft_fn(target, proposer, 1, ctx=long, pending=257))
+                 - _best_of(_draft_fn(target, proposer, 1, ctx=long)), 0.0) / 0.256
     return CostModel([round(x, 3) for x in verify], round(ctx_ms, 4), [round(x, 3) for x in draft],
                      round(draft_ctx, 4), round(ingest, 4))
 
@@ -210,13 +213,11 @@ def _draft_fn(target, proposer, rows: int, ctx: int = DRAFT_CTX, pending: int = 
     pos = torch.arange(ctx, device=target.device).expand(rows, ctx)
     state = proposer.prefill(feats, pos, pos[:, -1], ctx + 2 * proposer.block_size)
     proposer.ingest(state)
-    # pending: the last context feature rewritten at its own position, `pending` times per row
-    held = feats[:, -1:].expand(rows, pending, feats.shape[-1]).contiguous(), pos[:, -1:].expand(rows, pending)
     view = DraftView(torch.zeros(rows, dtype=torch.long, device=target.device),
-                     torch.full((rows,), ctx, device=target.device), ctx, [])
+                     torch.full((rows,), ctx, device=target.device), ctx, [], [ctx] * rows)
 
     def step():
-        state.pend_feats, state.pend_pos = held
+        state.lo = [ctx - min(pending, ctx)] * rows  # the last `pending` context features of each row not ingested
         return proposer.propose(state, view, scores=True)
     return step
 
