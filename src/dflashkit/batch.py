@@ -236,17 +236,19 @@ class DecodeBatch:
         dstate = self.drafter.prefill(feats, pos, last, self.max_len) if self.drafter else None
         return seqs, first[:, 0].tolist(), lps, (tcache, dstate, sampler, last + 1, anchor, lens)
 
-    def reserve(self, rows: int) -> None:
-        """Allocate the target cache's store for `rows` rows now (a server: its --max-batch), not as rows join."""
+    def _own_tcache(self):
+        """The batch's target cache: max_len slots per row, reused by the rows that join later."""
         if self.tcache is None:
             self.tcache = self.target.new_cache(0, self.max_len)
-        self.tcache.reserve(rows)
+        return self.tcache
+
+    def reserve(self, rows: int) -> None:
+        """Allocate the target cache's store for `rows` rows now (a server: its --max-batch), not as rows join."""
+        self._own_tcache().reserve(rows)
         self._reserved = rows  # the drafter's feature store too, when the first rows join (`_join`)
 
     def _join(self, seqs, tcache, dstate, sampler, start, anchor, starts) -> None:
-        if self.tcache is None:  # the batch's cache: max_len slots per row, reused by the rows that join later
-            self.tcache = self.target.new_cache(0, self.max_len)
-        self.tcache.extend(tcache)
+        self._own_tcache().extend(tcache)
         if dstate is not None and self.dstate is None:  # the batch's own: features of max_len positions per row
             self.dstate = dstate.empty(self.max_len)
             self.dstate.feats.reserve(self._reserved)

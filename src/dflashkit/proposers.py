@@ -87,13 +87,10 @@ class DraftState:
         k = self.feats.keys[0]
         return DraftState(self._new_cache, feature_store(0, max_len, k.shape[-1], k.dtype, k.device), [])
 
-    def pending(self, upto: int | None = None) -> int:
-        """The features the next ingest writes (all rows, through position `upto` - 1; default: the store's
-        length): a rectangle from the lowest pending position, as `DrafterProposer.ingest` writes it."""
-        if not self.lo:
-            return 0
-        upto = self.feats.max_len if upto is None else upto
-        return self.rows * max(upto - min(self.lo), 0)
+    def pending(self, upto: int) -> int:
+        """The features the next ingest writes (all rows, through position `upto` - 1, the batch's max start): a
+        rectangle from the lowest pending position, as `DrafterProposer.ingest` writes it."""
+        return self.rows * max(upto - min(self.lo), 0) if self.lo else 0
 
     def select(self, rows: torch.Tensor, used: int | None = None) -> None:
         """Keep rows `rows`; used: the slots any kept row still needs (`PositionCache.select`)."""
