@@ -255,7 +255,7 @@ def test_a_reserved_batch_store_takes_its_rows_without_growing():
 def test_prompts_are_prefilled_in_groups_of_similar_length():
     """A short prompt is not padded to a long one's length (prefill_groups), and the groups' rows decode exactly
     as each prompt alone (float64, the lean backend: row-invariant)."""
-    from dflashkit.batch import prefill_groups
+    from dflashkit.prefill import prefill_groups
 
     assert prefill_groups([240, 40, 230, 45, 5]) == [[0, 2], [3, 1], [4]]
     assert prefill_groups([10, 10, 10]) == [[0, 1, 2]]

@@ -132,6 +132,35 @@ def test_bf16_speculative_output_is_bitwise_autoregressive_on_the_real_target(ca
               f"{sum(g.stats.tau for g in chain) / 3:.2f} / {sum(g.stats.tau for g in tree) / 3:.2f}")
 
 
+def test_bf16_continuations_do_not_depend_on_how_the_prompt_was_prefilled():
+    """A long prompt prefilled whole, or in chunks of 7 / 64 / 1,000 tokens with other rows decoding between the
+    chunks (the server's chunked prefill): bit-identical greedy and seeded continuations, equal to plain decoding's,
+    in bfloat16 on the real target and the default kernels."""
+    from dflashkit import SamplingParams
+
+    target, tok = load_target(dtype="bfloat16")
+    drafter, _ = load_default_drafter(target, tok)
+    eng = DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig.recommended(policy="fixed"))
+    text = " ".join(f"Step {i}: the river carried {i * 7 % 13} boats past the old mill before noon." for i in range(24))
+    long = encode_chat(tok, f"Summarise this log in two sentences.\n{text}")
+    assert len(long) > 300
+    others = [encode_chat(tok, p) for p in PROMPTS[:2]]
+    for params in (SamplingParams(), SamplingParams(temperature=0.7, seed=1234)):
+        whole = eng.generate([long], sampling=params, max_new_tokens=24)[0].tokens
+        ar = eng.generate([long], sampling=params, max_new_tokens=24, config=DecodeConfig.autoregressive())[0].tokens
+        assert whole == ar
+        for chunk in (7, 64, 1000):
+            batch = eng.new_batch(1024)
+            batch.add([eng.sequence(i + 1, p, SamplingParams(temperature=0.9), 40) for i, p in enumerate(others)])
+            seq = eng.sequence(0, long, params, 24)
+            pp = batch.begin_prefill(seq)
+            while batch.prefill_chunk(pp, chunk) is None:
+                batch.step()  # the other rows decode between the chunks
+            while not seq.finished:
+                batch.step()
+            assert seq.generated == whole, f"chunks of {chunk}, {params}"
+
+
 def test_cli_generate_json_and_stop_string():
     cmd = [sys.executable, "-m", "dflashkit.cli", "generate", "--prompt", PROMPTS[1], "--max-new-tokens", "40",
            "--json", "--dtype", "float32"]

@@ -127,6 +127,52 @@ def test_seeded_rows_are_reproducible_in_any_batch():
     assert a == b
 
 
+def seeded_configs():
+    from dflashkit.lookup import LookupParams
+
+    return {"block": DecodeConfig(), "tree": DecodeConfig(tree=6),
+            "tree+lookup": DecodeConfig(tree=6, lookup=LookupParams(max_tokens=3))}
+
+
+@pytest.mark.parametrize("name", list(seeded_configs()))
+def test_seeded_speculative_sampling_returns_what_seeded_plain_decoding_returns(name):
+    """A seeded row commits plain decoding's tokens with the same seed, token for token, whatever is drafted (an
+    oracle that is often right and sometimes wrong, a tree, a lookup branch), alone or beside other rows of other
+    lengths and seeds; and the same again on a second run."""
+    t = small_target("lean")
+    eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3), eos_token_ids=[],
+                       config=seeded_configs()[name])
+    greedy_oracle(eng, t)
+    if name == "tree+lookup":
+        use_lookup_oracle(eng, t, 3)
+    for params in (SamplingParams(temperature=0.7, seed=1234), SamplingParams(temperature=1.0, top_p=0.9, seed=-5)):
+        ar = eng.generate([PROMPT], sampling=params, max_new_tokens=40, config=DecodeConfig.autoregressive())[0]
+        alone = eng.generate([PROMPT], sampling=params, max_new_tokens=40)[0]
+        again = eng.generate([PROMPT], sampling=params, max_new_tokens=40)[0]
+        others = [SamplingParams(temperature=1.0), params, SamplingParams(temperature=0.9, seed=5), SamplingParams()]
+        mixed = eng.generate([[2, 4], PROMPT, PROMPT + [6, 1, 8], PROMPT], sampling=others,
+                             max_new_tokens=[9, 40, 30, 17])
+        assert alone.tokens == ar.tokens == again.tokens == mixed[1].tokens
+        assert max(alone.stats.accepted) >= 2 and min(alone.stats.accepted) < 3  # drafts both kept and refused
+    # the seed is what decides: another seed draws another text
+    other = eng.generate([PROMPT], sampling=SamplingParams(temperature=0.7, seed=1235), max_new_tokens=40)[0]
+    assert other.tokens != ar.tokens
+
+
+def test_position_uniforms_are_independent_and_uniform():
+    """u(seed, position) is what every sampled token rests on: uniform on [0, 1), no relation between neighbouring
+    positions or neighbouring seeds (a chi-square on 20 bins and the lag-1 correlations)."""
+    from dflashkit.sampling import seed_key, uniforms
+
+    keys = np.array([seed_key(s) for s in range(200)], dtype=np.uint64)
+    u = uniforms(keys, np.arange(500, dtype=np.int64)[None].repeat(200, 0))  # [seeds, positions]
+    assert u.min() >= 0 and u.max() < 1
+    counts = np.histogram(u, bins=20, range=(0, 1))[0]
+    assert chisquare(counts).pvalue > ALPHA
+    assert abs(np.corrcoef(u[:, 1:].ravel(), u[:, :-1].ravel())[0, 1]) < 0.02  # 99,800 pairs: sd ~0.003
+    assert abs(np.corrcoef(u[1:].ravel(), u[:-1].ravel())[0, 1]) < 0.02
+
+
 @pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
                                 dict(temperature=float("nan"))])
 def test_bad_sampling_parameters(kw):

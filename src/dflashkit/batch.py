@@ -10,8 +10,9 @@ Each step (dflash-spec §2-3, generalised to trees):
      (`SeqState.commit`: EOS, max_new_tokens and stop strings cut mid-block). The only host sync per step is
      reading the accepted tokens and counts (plus one for a pruned tree's width).
 
-Sequences join between steps (`add`: prefilled on their own, then concatenated) and leave between steps
-(finished or cancelled rows are dropped by `index_select`). `DFlashEngine.stream` runs one closed batch through
+Sequences join between steps (`add`, or `prefill_chunk` after a chunked prefill: their cache slots copied into
+free rows of the batch's store, `cache.py`) and leave between steps (a finished or cancelled row's hole is filled
+by the last row, `_compact`). `DFlashEngine.stream` runs one closed batch through
 it; the server keeps one open and lets requests come and go (continuous batching).
 """
 
@@ -26,10 +27,11 @@ import torch
 from .errors import DFlashError
 from .lookup import SuffixIndex
 from .policy import FixedPolicy
+from .prefill import PromptPrefill, prefill_context, prefill_groups
 from .proposers import DraftView, DrafterProposer, LookupProposer
 from .sampling import Sampler, SamplingParams
 from .stats import GenerationStats
-from .tree import accept, build, verify_mask
+from .tree import accept, build, source_counts, verify_mask
 
 
 @dataclass
@@ -117,26 +119,6 @@ class SeqState:
         return StepOutput(self.index, self.generated[before:], self.finished, self.finish_reason, self.stats)
 
 
-# Padding a prompt group may add, as a share of its real tokens (`prefill_groups`). Why: one forward over n
-# right-padded prompts computes n x the longest; a prompt of 40 tokens beside one of 240 paid 6x its own prefill.
-# A forward of its own costs a read of the weights (~10 ms, a few prompt tokens' worth on 2 cores) instead.
-PAD_SHARE = 0.25
-
-
-def prefill_groups(lens: list[int]) -> list[list[int]]:
-    """Indices of prompts of lengths `lens` in groups prefilled together: longest first, a prompt joins the
-    current group while the group's padding stays within PAD_SHARE of its real tokens."""
-    groups, real, longest = [], 0, 0
-    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
-        if groups and (len(groups[-1]) + 1) * longest <= (1 + PAD_SHARE) * (real + lens[i]):
-            groups[-1].append(i)
-            real += lens[i]
-            continue
-        groups.append([i])
-        real = longest = lens[i]
-    return groups
-
-
 def stop_cut(gen: list[int], before: int, stop: list[str], tokenizer) -> int | None:
     """Smallest token count k > before such that the tail of gen[:k] contains a stop string."""
     ctx = max(len(x) for x in stop) + 2  # tokens of look-back: a stop string may straddle the step boundary
@@ -187,16 +169,47 @@ class DecodeBatch:
 
         A sequence that already has tokens (`generated`) resumes: its prompt and all but its last token are
         prefilled, and the last one is the anchor, as if it had decoded here all along (the server's recovery
-        after a failed step). Its seeded sampler restarts from its seed; its next tokens come from the next step.
+        after a failed step). Its sampled tokens are drawn by position (`sampling.py`): it goes on as it would have.
         Prompts of similar length are prefilled together (`prefill_groups`); nothing joins until all are done, so a
         failed `add` joins nothing."""
+        self._check_fits(seqs)
+        ctx = [prefill_context(s) for s in seqs]
+        return self._join_parts([self._prefill([seqs[i] for i in g], [ctx[i] for i in g])
+                                 for g in prefill_groups([len(c) for c in ctx])])
+
+    def _check_fits(self, seqs: list[SeqState]) -> None:
         if any(cache_positions(len(s.prompt), s.max_new_tokens, self.width) > self.max_len for s in seqs):
             raise DFlashError(f"a request needs more than the batch's {self.max_len} cache positions; "
                               "shorten the prompt or lower max_new_tokens.")
-        # Why generated[:-1]: the anchor (the last committed token) never has K/V before the step that verifies it.
-        ctx = [s.prompt + s.generated[:-1] for s in seqs]
-        parts = [self._prefill([seqs[i] for i in g], [ctx[i] for i in g])
-                 for g in prefill_groups([len(c) for c in ctx])]
+
+    def begin_prefill(self, seq: SeqState) -> PromptPrefill:
+        """A sequence to prefill in chunks (`prefill_chunk`), joining the batch after its last one."""
+        self._check_fits([seq])
+        ctx = prefill_context(seq)
+        return PromptPrefill(seq, ctx, self.target.new_cache(1, len(ctx)))
+
+    @torch.inference_mode()
+    def prefill_chunk(self, pp: PromptPrefill, n: int) -> list[StepOutput] | None:
+        """Prefill the next `n` tokens of `pp`; after the last chunk the sequence joins the batch and its first
+        token is returned as `add` returns it. None while tokens remain.
+        Why the result does not depend on the chunks: each token's K/V and hidden state are computed from its own
+        row, its position and the keys before it, whatever shares the pass (the lean target's row invariance)."""
+        a, z = pp.done, min(pp.done + n, len(pp.ctx))
+        dev = self.target.device
+        ids = torch.tensor([pp.ctx[a:z]], dtype=torch.long, device=dev)
+        # positions a..z-1 at slots a..z-1 of the prompt's own cache; each sees the slots up to its own position
+        hidden, feats = self.target.forward(ids, torch.arange(a, z, device=dev)[None], pp.tcache, kv_len=z,
+                                            taps=self.drafter is not None)
+        if feats is not None:
+            pp.feats.append(feats)
+        pp.done = z
+        if z < len(pp.ctx):
+            return None
+        feats = torch.cat(pp.feats, 1) if pp.feats else None
+        return self._join_parts([self._prefilled([pp.seq], [z], pp.tcache, hidden[:, -1:], feats)])
+
+    def _join_parts(self, parts: list) -> list[StepOutput]:
+        """Join prefilled groups (`_prefilled`'s results) to the batch; the fresh sequences' first tokens."""
         firsts = []
         for group, first, lps, state in parts:
             self._join(group, *state)
@@ -226,9 +239,20 @@ class DecodeBatch:
         pos = torch.arange(P, device=dev).expand(n, P)
         hidden, feats = tgt.forward(ids.to(dev), pos, tcache, kv_len=P, taps=self.drafter is not None)
         last = torch.tensor(lens, device=dev) - 1
+        return self._prefilled(seqs, lens, tcache, hidden[torch.arange(n, device=dev), last][:, None], feats)
+
+    def _prefilled(self, seqs: list[SeqState], lens: list[int], tcache, last_hidden: torch.Tensor,
+                   feats: torch.Tensor | None):
+        """After the prefill forward of `seqs` (contexts of `lens` tokens in `tcache`): last_hidden [n, 1, H] the last
+        context token's final-normed hidden state, feats [n, P, k*H] or None. Returns (seqs, their first tokens,
+        their log-probabilities or None, what `_join` takes)."""
+        tgt = self.target
+        dev, n, P = tgt.device, len(seqs), max(lens)
+        pos = torch.arange(P, device=dev).expand(n, P)
+        last = torch.tensor(lens, device=dev) - 1
         sampler = Sampler([s.params for s in seqs], dev)
-        logits = tgt.logits(hidden[torch.arange(n, device=dev), last][:, None])  # [n, 1, V]
-        first = sampler(logits)  # [n, 1]
+        logits = tgt.logits(last_hidden)  # [n, 1, V]
+        first = sampler(logits, lens)  # [n, 1] the token at position len(ctx)
         fresh = torch.tensor([not s.generated for s in seqs], device=dev)
         lps = token_logprobs(logits, first, seqs)
         known = torch.tensor([s.generated[-1] if s.generated else 0 for s in seqs], device=dev)
@@ -305,7 +329,8 @@ class DecodeBatch:
                                             kv_len=kv_len, taps=self.drafter is not None, slots=slots,
                                             visible=verify_mask(tree, self.start, kv_len))
         logits = self.target.logits(hidden)  # [b, W, V]
-        choices = self.sampler(logits)  # [b, W] the target's own token after each node
+        # [b, W] the target's own token after each node: node i's choice is the token at position start + depth + 1
+        choices = self.sampler(logits, [s + 1 for s in self.starts], tree.depth, tree.max_depth)
         out, host = self._commit(tree, logits, choices, feats)
         self.policy.observe(self, [row if ok else None for row, ok in zip(host, live)], self.span,
                             1000 * (time.perf_counter() - t0))
@@ -345,7 +370,9 @@ class DecodeBatch:
         a, path = accept(tree, choices)  # path: [b, D+1] node per depth (repeats the end past a)
         path = torch.cat([path, path[:, -1:].expand(b, R - path.shape[1])], dim=1)  # [b, R]
         committed = choices.gather(1, path)  # [b, R]; the first a+1 are this step's tokens
-        host = torch.cat([committed, a[:, None], path], dim=1).tolist()  # the one host sync
+        # [b, 4] drafted and accepted nodes per source (`tree.source_counts`), read in the same sync
+        counts = source_counts(tree, a, path[:, :tree.max_depth + 1])
+        host = torch.cat([committed, a[:, None], path, counts], dim=1).tolist()  # the one host sync
         lps = token_logprobs(logits, committed, self.seqs, nodes=path)
         depth = torch.arange(R, device=dev)
         # Bring the accepted path to slot == position (a branch node's K/V sits m slots further right).
@@ -376,6 +403,7 @@ class DecodeBatch:
             a_i = int(row[R])
             self.starts[i] += advance[i]
             s.stats.accepted.append(a_i)
+            s.stats.count_drafts(*row[2 * R + 1: 2 * R + 5])
             out.append(s.commit(row[: a_i + 1], self.eos_ids, self.tokenizer, lps[i][: a_i + 1] if lps else None))
             s.stats.decode_s = now - s.t_first
         return out, host

@@ -252,21 +252,24 @@ def cmd_serve(args) -> int:
     import signal
 
     from .openai_api import Limits
+    from .scheduler import DEFAULT_PREFILL_CHUNK
     from .server import build_app, check_port, serve_in_thread
 
+    low = {"--prefill-chunk": 0}  # the others are >= 1
     for flag, v in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue), ("--max-len", args.max_len),
                     ("--max-body-bytes", args.max_body_bytes), ("--max-messages", args.max_messages),
-                    ("--max-n", args.max_n)):
-        if v < 1:
-            raise DFlashError(f"{flag} must be >= 1 (got {v}).")
+                    ("--max-n", args.max_n), ("--prefill-chunk", args.prefill_chunk or 0)):
+        if v < low.get(flag, 1):
+            raise DFlashError(f"{flag} must be >= {low.get(flag, 1)} (got {v}).")
     check_port(args.host, args.port)  # before the weights load: a busy port fails in a second, not after 10
     limits = Limits(max_body_bytes=args.max_body_bytes, max_messages=args.max_messages, max_n=args.max_n)
     engine, tok, trained = load_models(args)
     if tok is None:
         raise DFlashError("the server needs the target's tokenizer; give a target directory that has one.")
     name = args.model_name or ("smollm2-135m-instruct-dflash" if args.target is None else str(args.target))
+    chunk = DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk
     app = build_app(engine, tok, name, max_batch=args.max_batch, max_queue=args.max_queue, max_len=args.max_len,
-                    engine_thread=False, limits=limits, api_key=args.api_key)
+                    engine_thread=False, limits=limits, api_key=args.api_key, prefill_chunk=chunk)
     # HTTP in a thread, the engine loop on this (main) thread, which loaded the model: one OpenMP thread team
     # (see Scheduler.run). SIGINT/SIGTERM stop uvicorn, whose shutdown drains the scheduler; run() then returns.
     srv, th, url = serve_in_thread(app, host=args.host, port=args.port)
@@ -393,6 +396,8 @@ def _bench_and_serve_parsers(sub) -> None:
     sv.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
     sv.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     sv.add_argument("--max-len", type=int, default=2048, help="context per sequence (prompt + max_tokens)")
+    sv.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens prefilled between two decoding "
+                    "steps, so running streams go on (0 = whole prompts; default: scheduler.DEFAULT_PREFILL_CHUNK)")
     sv.add_argument("--model-name", default=None, help="the model id clients ask for (default: a name for the target)")
     sv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: open)")
     sv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get a 413")

@@ -10,6 +10,7 @@ classes, or it takes them for query parameters.)
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -19,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .errors import DFlashError
 from .sampling import MAX_TOP_K, SEED_MAX, SEED_MIN, SamplingParams
 from .scheduler import OverloadError, Scheduler
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -153,15 +156,28 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+# Seconds a 429 asks the client to wait (`Retry-After`): about what a queued request of a busy server waits.
+RETRY_AFTER_S = 1
+
+
 def error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-          code: str | None = None):
+          code: str | None = None, headers: dict | None = None):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse(status_code=status, content=error_body(message, type_, param, code))
+    return JSONResponse(status_code=status, content=error_body(message, type_, param, code), headers=headers)
 
 
 class ClientGone(Exception):
     """The client of a non-streaming request disconnected."""
+
+
+def gone(rid: str):
+    """The answer to a client that left: its rows are cancelled; one INFO line, no traceback; nobody reads the 499
+    (nginx's "client closed request")."""
+    from fastapi.responses import Response
+
+    log.info("request %s: the client disconnected; its sequences are cancelled", rid)
+    return Response(status_code=499)
 
 
 class Responder:
@@ -188,8 +204,9 @@ class Responder:
             for j in jobs:
                 self.sched.cancel(j)
             if isinstance(e, OverloadError):
-                return error(429, str(e), type_="rate_limit_error")
+                return error(429, str(e), type_="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
             return error(400, str(e))
+        self.sched.metrics.requests += 1
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "object": "chat.completion" if chat else
                 "text_completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
@@ -200,9 +217,11 @@ class Responder:
                                      media_type="text/event-stream")
         try:
             return await self.complete(jobs, req.stops(), chat, head, request)
-        except (ClientGone, asyncio.CancelledError):
+        except (ClientGone, asyncio.CancelledError) as e:
             for j in jobs:
                 self.sched.cancel(j)
+            if isinstance(e, ClientGone):
+                return gone(rid)
             raise
 
     # ---- pieces of a response --------------------------------------------------------------------------------

@@ -1,8 +1,16 @@
 """Sampling parameters and the target's token choice (greedy or temperature / top-k / top-p).
 
-The draft never samples: it proposes argmax tokens. Only the TARGET's choice goes through here, and
-every emitted token is one of these choices, which is why speculative output keeps the target's
-distribution exactly (see `verify.py`).
+The draft never samples: it proposes argmax tokens. Only the TARGET's choice goes through here, and every
+emitted token is one of these choices, which is why speculative output keeps the target's distribution exactly
+(`tree.accept` walks the tree along them).
+
+Why the randomness is a function of (seed, position) alone: the token a sampled row commits at position p is
+drawn by inverse-CDF sampling with one uniform u(seed, p), whatever node of whatever tree (or plain step, or
+prefill) asks for it. Every node at depth d of a step shares u(seed, start + d + 1); only one of them lies on
+the accepted path, and its choice is the target's own draw given exactly the committed prefix. So a row commits,
+token for token, what plain decoding with the same seed commits: the tree, the verify width, the batch and the
+step policy change how fast, never what. Each u is independent of the others (a counter-based hash), so each
+position is a fresh draw from the target's distribution. A row without a seed gets a random one when it joins.
 """
 
 from __future__ import annotations
@@ -10,15 +18,38 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import DFlashError
 
 
-# Bounds that keep every field representable on the device: torch generators take 64-bit seeds, and top_k
-# becomes an int64 tensor (any k above the vocabulary size means "off").
+# Bounds that keep every field representable: a seed is taken modulo 2^64 (one uint64 key), and top_k becomes an
+# int64 tensor (any k above the vocabulary size means "off").
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
 MAX_TOP_K = 2 ** 31 - 1
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (numpy's uint64 arithmetic wraps modulo 2^64, as the hash needs)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def uniforms(keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """keys [b] uint64 (one per row, `seed_key`), positions [b, n] int64 -> u [b, n] float64 in [0, 1): one
+    independent uniform per (row's seed, position), the same wherever and whenever it is computed."""
+    with np.errstate(over="ignore"):
+        h = _mix(keys[:, None] + positions.astype(np.uint64))
+    return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
+def seed_key(seed: int) -> np.uint64:
+    """A request's seed (SEED_MIN..SEED_MAX) as the key of its uniforms."""
+    with np.errstate(over="ignore"):
+        return _mix(np.array([seed % 2 ** 64], dtype=np.uint64))[0]
 
 
 @dataclass(frozen=True)
@@ -52,6 +83,14 @@ class Sampler:
     def __init__(self, params: list[SamplingParams], device: torch.device):
         self.params = list(params)
         self.device = device
+        for p in self.params:  # checked here too: a request forced past validation fails alone, at admission
+            if p.seed is not None and not (isinstance(p.seed, int) and SEED_MIN <= p.seed <= SEED_MAX):
+                raise DFlashError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (got {p.seed!r})")
+        # A sampled row without a seed draws one from torch's generator (torch.manual_seed makes a run repeatable).
+        free = [p.seed is None and not p.greedy for p in self.params]
+        drawn = iter(torch.randint(0, 2 ** 62, (sum(free),)).tolist())
+        self.keys = np.array([seed_key(next(drawn) if f else p.seed or 0) for p, f in zip(self.params, free)],
+                             dtype=np.uint64)
         self._refresh()
 
     def _refresh(self):
@@ -64,18 +103,15 @@ class Sampler:
         self.top_p = torch.tensor([p.top_p for p in ps], device=self.device)
         self.top_k = torch.tensor([p.top_k for p in ps], device=self.device)
         self.filtered = any(p.top_p < 1 or p.top_k > 0 for p in ps)
-        if not hasattr(self, "generators"):
-            self.generators = [torch.Generator(self.device).manual_seed(p.seed) if p.seed is not None else None
-                               for p in ps]
 
     def select(self, rows: list[int]) -> None:
         self.params = [self.params[i] for i in rows]
-        self.generators = [self.generators[i] for i in rows]
+        self.keys = self.keys[np.asarray(rows, dtype=np.int64)]
         self._refresh()
 
     def extend(self, other: "Sampler") -> None:
         self.params += other.params
-        self.generators += other.generators
+        self.keys = np.concatenate([self.keys, other.keys])
         self._refresh()
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
@@ -98,22 +134,31 @@ class Sampler:
             x = torch.full_like(x, -math.inf).scatter(-1, order, sorted_x)
         return x.softmax(-1)
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits: [B, Q, V] -> chosen token ids [B, Q] (argmax for greedy rows)."""
+    def __call__(self, logits: torch.Tensor, first: list[int], depth: torch.Tensor | None = None,
+                 max_depth: int = 0) -> torch.Tensor:
+        """logits: [B, Q, V] -> chosen token ids [B, Q] (argmax for greedy rows).
+
+        first: per row, the position of the token chosen after a depth-0 node (the anchor's position + 1; after a
+        prompt, its length); depth: [B, Q] each node's depth (default 0: one node per row), at most max_depth. The
+        node's choice is the token at position first + depth, drawn with that position's uniform."""
         # float32 first: exact for bf16/fp16 (same order, same first maximum), and torch's CPU argmax over
         # bf16 is ~5x slower than the conversion plus a float32 argmax (2 ms for a 24 x 49K verify pass).
         choice = logits.float().argmax(-1)
         if self.all_greedy:
             return choice
+        B, Q = choice.shape
+        pos = np.asarray(first, dtype=np.int64)[:, None] + np.arange(max_depth + 1, dtype=np.int64)[None]
+        u = torch.from_numpy(uniforms(self.keys, pos)).to(self.device)  # [B, D + 1]
+        u = u[:, :1].expand(B, Q) if depth is None else u.gather(1, depth)  # [B, Q]
         probs = self.probs(logits)
-        # Exponential race (Gumbel-max in another form): argmax p / E with E ~ Exp(1) draws from p with no
-        # host sync. Rows with a seed use their own generator, so a seeded request is reproducible in any batch.
-        noise = torch.empty_like(probs)
-        for i, g in enumerate(self.generators):
-            if g is not None:
-                noise[i].exponential_(generator=g)
-        if any(g is None for g in self.generators):
-            free = torch.tensor([g is None for g in self.generators], device=probs.device)
-            noise = torch.where(free[:, None, None], torch.empty_like(probs).exponential_(), noise)
-        sampled = (probs / noise).argmax(-1)
-        return torch.where(self.greedy[:, None], choice, sampled)
+        sampled = choice.clone()
+        for r in range(B):  # row by row: a float64 CDF of one row's nodes, not of the whole batch at once
+            if self.params[r].greedy:
+                continue
+            # Inverse CDF in float64: the first token whose cumulative mass exceeds u * total. Capped at the last
+            # token of positive mass (cdf.argmax: where the CDF first reaches its maximum), so a token the target
+            # gives no mass (filtered, or underflowed) is never drawn even if u * total rounds up to the total.
+            cdf = probs[r].double().cumsum(-1)  # [Q, V]
+            x = (u[r] * cdf[:, -1])[:, None]
+            sampled[r] = torch.minimum(torch.searchsorted(cdf, x, right=True)[:, 0], cdf.argmax(-1))
+        return sampled

@@ -22,10 +22,16 @@ from .batch import cache_positions
 from .decode_config import DecodeConfig
 from .engine import DFlashEngine
 from .errors import DFlashError
+from .prefill import PromptPrefill, prefill_context
 from .sampling import SamplingParams
 from .stats import tau_from_counts
 
 log = logging.getLogger(__name__)
+
+# Prompt tokens prefilled between two decoding steps (`dflashkit serve --prefill-chunk`). Why chunks: a prompt's
+# prefill is one forward, and every running stream waits for it (a 2,000-token prompt: seconds on 2 cores). Why
+# this size: bench/results/serve-chunked-prefill (the streams' inter-token p99 against the throughput).
+DEFAULT_PREFILL_CHUNK = 256
 
 
 @dataclass
@@ -40,13 +46,17 @@ class Job:
 
 @dataclass
 class Metrics:
-    requests: int = 0
+    """What the server did, counted from the finished sequences' own stats (`GenerationStats`): a dashboard's tau and
+    acceptance rate, computed from these counters, are the engine's."""
+
+    requests: int = 0  # HTTP requests admitted to the queue (one per request, whatever its n)
+    sequences: int = 0  # sequences they asked for (n per request)
     requests_rejected: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    target_passes: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
+    target_passes: int = 0  # verify cycles, per sequence (a batch's step counts once per row in it)
+    drafted: dict = field(default_factory=lambda: {"drafter": 0, "lookup": 0})  # draft nodes verified, per source
+    accepted: dict = field(default_factory=lambda: {"drafter": 0, "lookup": 0})  # ... and accepted
     accepted_per_position: list[int] = field(default_factory=list)
     latency_buckets: tuple = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
     latency_counts: list[int] = field(default_factory=lambda: [0] * 9)  # one per bucket
@@ -58,8 +68,10 @@ class Metrics:
         self.prompt_tokens += stats.prompt_tokens
         self.generated_tokens += stats.new_tokens
         self.target_passes += stats.target_passes
-        self.draft_tokens += stats.target_passes * (span - 1)
-        self.accepted_tokens += sum(stats.accepted)
+        self.drafted["drafter"] += stats.drafted_drafter
+        self.drafted["lookup"] += stats.drafted_lookup
+        self.accepted["drafter"] += stats.accepted_drafter
+        self.accepted["lookup"] += stats.accepted_lookup
         if len(self.accepted_per_position) < span - 1:
             self.accepted_per_position += [0] * (span - 1 - len(self.accepted_per_position))
         for a in stats.accepted:
@@ -72,17 +84,23 @@ class Metrics:
 
     def prometheus(self, policy: dict | None = None) -> str:
         """policy: `DFlashEngine.policy_stats()`, what the adaptive policy chose per drafting setting."""
-        tau = tau_from_counts(self.target_passes, self.accepted_tokens)
+        tau = tau_from_counts(self.target_passes, sum(self.accepted.values()))
         lines = [
             "# TYPE dflashkit_requests_total counter", f"dflashkit_requests_total {self.requests}",
+            "# TYPE dflashkit_sequences_total counter", f"dflashkit_sequences_total {self.sequences}",
             "# TYPE dflashkit_requests_rejected_total counter",
             f"dflashkit_requests_rejected_total {self.requests_rejected}",
             "# TYPE dflashkit_prompt_tokens_total counter", f"dflashkit_prompt_tokens_total {self.prompt_tokens}",
             "# TYPE dflashkit_generated_tokens_total counter",
             f"dflashkit_generated_tokens_total {self.generated_tokens}",
             "# TYPE dflashkit_target_passes_total counter", f"dflashkit_target_passes_total {self.target_passes}",
-            "# TYPE dflashkit_draft_tokens_total counter", f"dflashkit_draft_tokens_total {self.draft_tokens}",
-            "# TYPE dflashkit_accepted_tokens_total counter", f"dflashkit_accepted_tokens_total {self.accepted_tokens}",
+            "# HELP dflashkit_draft_tokens_total draft nodes the target verified, by who proposed them",
+            "# TYPE dflashkit_draft_tokens_total counter",
+            *[f'dflashkit_draft_tokens_total{{source="{k}"}} {v}' for k, v in self.drafted.items()],
+            "# HELP dflashkit_accepted_tokens_total draft nodes the target accepted, by who proposed them",
+            "# TYPE dflashkit_accepted_tokens_total counter",
+            *[f'dflashkit_accepted_tokens_total{{source="{k}"}} {v}' for k, v in self.accepted.items()],
+            "# HELP dflashkit_tau tokens committed per verify cycle: (passes + accepted) / passes",
             "# TYPE dflashkit_tau gauge", f"dflashkit_tau {tau:.4f}",
             "# TYPE dflashkit_accepted_per_position_total counter",
         ]
@@ -106,15 +124,22 @@ class Metrics:
 class Scheduler:
     """Owns the engine in one thread; requests join and leave the running batches between steps."""
 
-    def __init__(self, engine: DFlashEngine, max_batch: int, max_queue: int, max_len: int):
+    def __init__(self, engine: DFlashEngine, max_batch: int, max_queue: int, max_len: int,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        """prefill_chunk: the prompt tokens prefilled between two decoding steps (0: every prompt whole at once)."""
         if not isinstance(max_batch, int) or max_batch < 1:
             raise DFlashError(f"--max-batch must be >= 1 (got {max_batch}): the sequences decoded together.")
         if not isinstance(max_queue, int) or max_queue < 1:
             raise DFlashError(f"--max-queue must be >= 1 (got {max_queue}): the requests that may wait for a slot.")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 0:
+            raise DFlashError(f"--prefill-chunk must be >= 0 (got {prefill_chunk}): prompt tokens per step, 0 = off.")
         self.engine, self.max_batch, self.max_len = engine, max_batch, max_len
+        self.prefill_chunk = prefill_chunk
         self.ar_config = DecodeConfig.autoregressive()
         self.pending: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.jobs: dict[int, Job] = {}
+        # Admitted jobs whose prompts are not prefilled yet, in arrival order, with their chunked prefill once begun
+        self.prefilling: list[tuple[Job, PromptPrefill | None]] = []
         self.metrics = Metrics()
         self._ids = itertools.count()
         self._stop = threading.Event()
@@ -157,14 +182,15 @@ class Scheduler:
         request's tokens are then read from `Job.seq`), so a JSON response costs the event loop nothing per step."""
         if self._draining:
             raise OverloadError("the server is shutting down")
-        seq = self.engine.sequence(next(self._ids), prompt_ids, sampling, max_new_tokens, stop,
-                                   None if speculate else self.ar_config)
-        seq.logprobs_k = logprobs
         width = self.engine.config.verify_width
+        # The server's own bound first: it is the one a client can change (the target's is larger, or equal).
         if cache_positions(len(prompt_ids), max_new_tokens, width) > self.max_len:
             raise DFlashError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_new_tokens}) exceeds the "
                               f"server's context of {self.context} tokens (--max-len {self.max_len}); shorten the "
                               "prompt or lower max_tokens.")
+        seq = self.engine.sequence(next(self._ids), prompt_ids, sampling, max_new_tokens, stop,
+                                   None if speculate else self.ar_config)
+        seq.logprobs_k = logprobs
         loop = loop or asyncio.get_running_loop()
         job = Job(seq, loop, asyncio.Queue(), speculate=speculate, stream=stream)
         try:
@@ -172,7 +198,7 @@ class Scheduler:
         except queue.Full:
             self.metrics.requests_rejected += 1
             raise OverloadError("the request queue is full; retry later") from None
-        self.metrics.requests += 1
+        self.metrics.sequences += 1
         return job
 
     def cancel(self, job: Job) -> None:
@@ -207,19 +233,19 @@ class Scheduler:
                 if j.cancelled and not j.seq.finished:
                     batches[j.speculate].cancel(j.seq.index)
             # admit queued requests up to max_batch (wait briefly when idle, so the stop flag is still seen)
-            new = []
-            while len(self.jobs) + len(new) < self.max_batch:
+            while len(self.jobs) + len(self.prefilling) < self.max_batch:
                 try:
-                    idle = not self.jobs and not new
+                    idle = not self.jobs and not self.prefilling
                     job = self.pending.get(timeout=0.05) if idle else self.pending.get_nowait()
                 except queue.Empty:
                     break
                 if not job.cancelled:
-                    new.append(job)
-            if self._stop.is_set() and not self.jobs and not new:
+                    self.prefilling.append((job, None))
+            if self._stop.is_set() and not self.jobs and not self.prefilling:
                 return
+            whole = self._prefill_turn(batches)
             for mode in (True, False):
-                group = [j for j in new if j.speculate == mode]
+                group = [j for j in whole if j.speculate == mode]
                 if group and mode not in batches:
                     batches[mode] = self._new_batch(mode, reserve=True)
                 try:
@@ -232,6 +258,51 @@ class Scheduler:
                     batches[mode] = self._recover(mode)
             if self.jobs and not any(b.alive for b in batches.values()):  # every job finished or was cancelled
                 self._dispatch([])
+
+    def _prefill_turn(self, batches: dict) -> list[Job]:
+        """This turn's prefill work, at most `prefill_chunk` prompt tokens (all of it when 0), in arrival order: a
+        prompt that fits what is left of the turn is returned to be prefilled whole (in `_admit`'s groups); one
+        longer than a chunk is prefilled a chunk per turn and joins its batch after the last. A turn always makes
+        progress: its first prompt fits, or gets a chunk."""
+        budget = self.prefill_chunk or float("inf")
+        whole, keep = [], []
+        for job, pp in self.prefilling:
+            if job.cancelled:  # left while waiting for its prefill: it never joined a batch
+                job.seq.finished, job.seq.finish_reason = True, "cancelled"
+                self._emit(job, None)
+                continue
+            n = len(prefill_context(job.seq)) if pp is None else pp.remaining
+            if budget <= 0 or (pp is None and budget < n <= self.prefill_chunk):  # next turn's
+                keep.append((job, pp))
+            elif pp is None and n <= budget:
+                whole.append(job)
+                budget -= n
+            else:  # longer than a chunk: this turn's remainder of it
+                budget -= self._chunk(job, pp, batches, int(budget), keep)
+        self.prefilling = keep
+        return whole
+
+    def _chunk(self, job: Job, pp: PromptPrefill | None, batches: dict, n: int, keep: list) -> int:
+        """Prefill the next (at most) `n` tokens of `job`, beginning its chunked prefill; after the last chunk it
+        joins its batch. A failure fails this job alone. Returns the tokens prefilled."""
+        mode = job.speculate
+        if mode not in batches:
+            batches[mode] = self._new_batch(mode, reserve=True)
+        try:
+            pp = pp or batches[mode].begin_prefill(job.seq)
+            n = min(n, pp.remaining)
+            outs = batches[mode].prefill_chunk(pp, n)
+        except Exception as e:  # its own prompt: it fails alone; no batch is touched before the last chunk joins
+            log.exception("prefilling request %d failed", job.seq.index)
+            job.seq.finished, job.seq.finish_reason = True, "error"
+            self._emit(job, e)
+            return 0
+        if outs is None:
+            keep.append((job, pp))
+        else:
+            self.jobs[job.seq.index] = job
+            self._dispatch(outs)
+        return n
 
     def _admit(self, batch, new: list[Job]) -> None:
         """Prefill new requests and join them to the batch. A request whose admission fails (its own sampler,

@@ -16,12 +16,14 @@ import logging
 import threading
 import time
 import uuid
+from contextlib import asynccontextmanager
 
 from .engine import DFlashEngine
 from .invariance import mode as exactness_mode
+from .loader import encode_chat
 from .errors import DFlashError
 from .openai_api import ChatRequest, CompletionRequest, Limits, Responder, check_limits, error, error_body
-from .scheduler import Job, Metrics, OverloadError, Scheduler
+from .scheduler import DEFAULT_PREFILL_CHUNK, Job, Metrics, OverloadError, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -95,20 +97,18 @@ class Gate:
 
 
 def build_app(engine: DFlashEngine, tokenizer, model_name: str, max_batch: int = 8, max_queue: int = 64,
-              max_len: int = 2048, engine_thread: bool = True, limits: Limits = Limits(), api_key: str | None = None):
+              max_len: int = 2048, engine_thread: bool = True, limits: Limits = Limits(), api_key: str | None = None,
+              prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
     """The FastAPI app. engine_thread=False: the caller runs `app.state.scheduler.run()` itself (on the thread
     that loaded the model, as `dflashkit serve` does); otherwise the app starts an engine thread at start-up."""
-    from contextlib import asynccontextmanager
-
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import PlainTextResponse
     from starlette.exceptions import HTTPException
 
-    from .loader import encode_chat
-
-    sched = Scheduler(engine, max_batch, max_queue, max_len)
+    sched = Scheduler(engine, max_batch, max_queue, max_len, prefill_chunk)
     respond = Responder(sched, model_name, limits)
+    max_token_chars = max_chars_per_token(tokenizer)  # `too_long` refuses prompts of more characters x context
 
     @asynccontextmanager
     async def lifespan(app):
@@ -122,9 +122,7 @@ def build_app(engine: DFlashEngine, tokenizer, model_name: str, max_batch: int =
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(x) for x in first.get("loc", []) if x != "body")
-        return error(400, f"invalid request: {loc}: {first.get('msg', 'malformed body')}", param=loc or None)
+        return invalid_request(exc.errors()[0] if exc.errors() else {})
 
     @app.exception_handler(HTTPException)
     async def _http(request, exc: HTTPException):  # e.g. a body that is not UTF-8 JSON: OpenAI's shape, not FastAPI's
@@ -136,7 +134,8 @@ def build_app(engine: DFlashEngine, tokenizer, model_name: str, max_batch: int =
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "running": len(sched.jobs), "queued": sched.pending.qsize(),
+        return {"status": "ok", "running": len(sched.jobs), "prefilling": len(sched.prefilling),
+                "queued": sched.pending.qsize(),
                 "greedy_exactness": exactness_mode(engine.target)}  # measured at start-up (invariance.py)
 
     @app.get("/v1/models")
@@ -152,6 +151,8 @@ def build_app(engine: DFlashEngine, tokenizer, model_name: str, max_batch: int =
         why = check_limits(req, limits)
         if why:
             return error(400, why)
+        if why := too_long(req, chat, sched, max_token_chars):
+            return error(400, why, param="messages" if chat else "prompt")
         if chat:  # tokenise and template off the event loop: /health and other requests keep answering
             msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
             ids = await asyncio.to_thread(encode_chat, tokenizer, msgs)
@@ -173,6 +174,35 @@ def build_app(engine: DFlashEngine, tokenizer, model_name: str, max_batch: int =
     app.add_middleware(Gate, limit=limits.max_body_bytes, api_key=api_key)
     app.state.scheduler = sched
     return app
+
+
+def invalid_request(first: dict):
+    """The 400 for a body FastAPI could not read into a request (`first`: its first error)."""
+    if first.get("type") == "json_invalid":  # its loc is a character offset, not a field: no `param`
+        where, why = first.get("loc", ("body", "?"))[-1], first.get("ctx", {}).get("error", "malformed")
+        return error(400, f"the body is not valid JSON ({why} at character {where}); send one JSON object")
+    loc = ".".join(str(x) for x in first.get("loc", []) if x != "body")
+    return error(400, f"invalid request: {loc}: {first.get('msg', 'malformed body')}", param=loc or None)
+
+
+def too_long(req, chat: bool, sched: Scheduler, max_token_chars: int) -> str | None:
+    """Why a prompt is refused before it is tokenised: more characters than the context's tokens can spell, however
+    long each token is (`max_chars_per_token`). A 100k-token prompt would otherwise be tokenised in full, seconds and
+    a GB, only to be refused."""
+    chars = sum(len(m.text()) for m in req.messages) if chat else len(req.prompt)
+    if chars <= sched.context * max_token_chars:
+        return None
+    return (f"the prompt ({chars} characters) cannot fit the server's context of {sched.context} tokens (--max-len "
+            f"{sched.max_len}; a token here spans at most {max_token_chars} characters); shorten the prompt.")
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """The most characters any token of `tokenizer` decodes to (at least 1; 64 where the vocabulary is unknown)."""
+    try:
+        vocab = tokenizer.get_vocab()
+        return max(1, max(len(tokenizer.convert_tokens_to_string([t])) for t in vocab))
+    except Exception:  # noqa: BLE001 - a tokenizer without these methods: a generous bound
+        return 64
 
 
 def check_port(host: str, port: int) -> None:

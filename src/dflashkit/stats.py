@@ -42,6 +42,19 @@ class GenerationStats:
     accepted: list[int] = field(default_factory=list)
     ttft_s: float = 0.0  # request start -> first token (prefill + first choice)
     decode_s: float = 0.0  # first token -> last token
+    # draft nodes the target verified, and those it accepted, per source (the drafter's, the lookup branch's)
+    drafted_drafter: int = 0
+    drafted_lookup: int = 0
+    accepted_drafter: int = 0
+    accepted_lookup: int = 0
+
+    def count_drafts(self, drafted_drafter: int, drafted_lookup: int, accepted_drafter: int,
+                     accepted_lookup: int) -> None:
+        """One verify cycle's draft nodes (`tree.source_counts`)."""
+        self.drafted_drafter += drafted_drafter
+        self.drafted_lookup += drafted_lookup
+        self.accepted_drafter += accepted_drafter
+        self.accepted_lookup += accepted_lookup
 
     @property
     def target_passes(self) -> int:
@@ -81,4 +94,7 @@ class GenerationStats:
             "tokens_per_s": round(self.tokens_per_s, 3),
             "tpot_ms": round(self.tpot_ms, 3),
             "ttft_ms": round(self.ttft_s * 1000, 3),
+            # per source: draft nodes the target verified, and those it accepted
+            "draft_nodes": {"drafter": {"verified": self.drafted_drafter, "accepted": self.accepted_drafter},
+                            "lookup": {"verified": self.drafted_lookup, "accepted": self.accepted_lookup}},
         }

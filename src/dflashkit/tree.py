@@ -12,18 +12,18 @@ those branch nodes are dead duplicates and l_{c+1} is a child of that path's las
 c = 0). Dead and padding nodes are never accepted.
 
 Verification walks the tree from the anchor following the TARGET's choice at each node (argmax at
-T=0, one sample at T>0): move to the child carrying that token, else stop; the choice at the last node
-is the bonus. Every committed token is then the target's own choice given exactly the committed prefix,
-so output is exact at any temperature, whatever the tree's shape, as long as siblings carry distinct
-tokens. Why duplicates must die: two sibling nodes with the same token would carry two independent
-target samples of the same distribution, and keeping the luckier one would bias sampling. (Likewise the
-tree's shape must never depend on the target's samples; it depends on the drafter and the lookup only.)
+T=0, at T>0 a draw with the uniform of the node's position, `sampling.py`): move to the child carrying
+that token, else stop; the choice at the last node is the bonus. Every committed token is then the target's
+own choice given exactly the committed prefix, with the uniform plain decoding would use at that position,
+so output is plain decoding's at any temperature, whatever the tree's shape, as long as siblings carry
+distinct tokens. Why duplicates must die: two siblings with one token would both lie on the accepted path,
+and the walk relies on one node per depth there.
 
 Terms: the anchor is the last committed token (no target K/V yet); the target's choice at a node is its own
 token for the next position (argmax at T=0, a sample at T>0); the accepted depth a counts drafted tokens on
 the path; the bonus is the choice at the path's end (always emitted), so a step commits a + 1 tokens (`stats.py`).
-With a chain and an argmax draft this equals rejection sampling: d is kept w.p. p(d), and on a mismatch the
-bonus is a draw from p with d removed.
+With a chain and an argmax draft this is distributed as rejection sampling: d is kept w.p. p(d), and on a
+mismatch the bonus is a draw from p with d removed.
 
 After acceptance, the path's K/V (and the drafter's context features) are moved to slot == position,
 the invariant `cache.py` relies on.
@@ -37,6 +37,9 @@ from dataclasses import dataclass
 import torch
 
 
+SOURCE_ANCHOR, SOURCE_DRAFTER, SOURCE_LOOKUP = 0, 1, 2  # `DraftTree.source`: what the stats count per source
+
+
 @dataclass
 class DraftTree:
     tokens: torch.Tensor  # [b, W] node tokens (node 0 = anchor)
@@ -44,6 +47,7 @@ class DraftTree:
     depth: torch.Tensor  # [b, W] depth = position offset from start
     alive: torch.Tensor  # [b, W] bool: may be accepted (False for duplicates and padding)
     max_depth: int
+    source: torch.Tensor | None = None  # [b, W] int8 SOURCE_*: who proposed each node (None: the anchor alone)
 
     @property
     def width(self) -> int:
@@ -154,7 +158,10 @@ def build(anchor: torch.Tensor, draft: DraftNodes | None, branch: torch.Tensor, 
                      alive=torch.cat([torch.ones(b, 1, dtype=torch.bool, device=dev),
                                       torch.ones_like(d_tok, dtype=torch.bool) if draft.alive is None else draft.alive,
                                       branch_alive], 1),
-                     max_depth=max(dmax, k))
+                     max_depth=max(dmax, k),
+                     source=torch.cat([torch.full((b, 1), SOURCE_ANCHOR, dtype=torch.int8, device=dev),
+                                       torch.full((b, m), SOURCE_DRAFTER, dtype=torch.int8, device=dev),
+                                       torch.full((b, k), SOURCE_LOOKUP, dtype=torch.int8, device=dev)], 1))
 
 
 def prune(tree: DraftTree, keep: torch.Tensor, width: int, max_depth: int) -> DraftTree:
@@ -171,7 +178,8 @@ def prune(tree: DraftTree, keep: torch.Tensor, width: int, max_depth: int) -> Dr
     parent = new_index.gather(1, tree.parent.gather(1, chosen))
     depth = torch.where(alive, tree.depth.gather(1, chosen), 1)  # padding: any depth <= max_depth will do
     return DraftTree(tokens=tree.tokens.gather(1, chosen), parent=torch.where(alive, parent, 0), depth=depth,
-                     alive=alive & tree.alive.gather(1, chosen), max_depth=max(max_depth, 1 if width > 1 else 0))
+                     alive=alive & tree.alive.gather(1, chosen), max_depth=max(max_depth, 1 if width > 1 else 0),
+                     source=None if tree.source is None else tree.source.gather(1, chosen))
 
 
 def ancestors(tree: DraftTree) -> torch.Tensor:
@@ -197,6 +205,20 @@ def verify_mask(tree: DraftTree, start: torch.Tensor, kv_len: int) -> torch.Tens
     idx = (start[:, None] + torch.arange(W, device=start.device))[:, None, :].expand(b, W, W)
     mask.scatter_(2, idx, ancestors(tree))
     return mask[:, None]
+
+
+def source_counts(tree: DraftTree, a: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    """[b, 4] per row: draft nodes verified from the drafter, from the lookup, then those of each accepted (a [b],
+    path [b, D+1] from `accept`). Verified = alive nodes (dead duplicates and padding are not drafts)."""
+    b = tree.tokens.shape[0]
+    if tree.source is None or tree.tokens.shape[1] == 1:
+        return torch.zeros(b, 4, dtype=torch.long, device=tree.tokens.device)
+    on = torch.arange(path.shape[1], device=a.device)[None] <= a[:, None]
+    on[:, 0] = False  # the anchor is no draft
+    src = tree.source.gather(1, path)
+    return torch.stack([(tree.alive & (tree.source == SOURCE_DRAFTER)).sum(1),
+                        (tree.alive & (tree.source == SOURCE_LOOKUP)).sum(1),
+                        (on & (src == SOURCE_DRAFTER)).sum(1), (on & (src == SOURCE_LOOKUP)).sum(1)], 1)
 
 
 def accept(tree: DraftTree, choices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -239,5 +239,5 @@ void register_stack(pybind11::module& mod) {
   py::class_<Stack>(mod, "Stack")
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &Stack::add_layer)
-      .def("forward", &Stack::forward);
+      .def("forward", &Stack::forward, py::call_guard<py::gil_scoped_release>());  // see module.cpp: nogil
 }

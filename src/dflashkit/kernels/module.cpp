@@ -3,10 +3,15 @@
 
 #include "ops.h"
 
+// Why the compute runs without the GIL (`nogil`): these calls touch no Python object between reading their
+// arguments and returning, and the layer stack's forward is a whole decoder pass (a long prompt's prefill: seconds).
+// Holding the GIL through it froze every other Python thread: the server's HTTP thread could not answer /health.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("rowlinear", &rowlinear, "y = x @ W^T, every row computed alike whatever the row count (rowlinear.cpp)");
-  mod.def("qlinear", &qlinear, "y = q8(x) . W^T for Q4_1 / Q8_0 weights, integer dot products, row-invariant");
-  mod.def("attend", &attend, "the lean target's attention, row-invariant (attention.cpp)");
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  mod.def("rowlinear", &rowlinear, nogil,
+          "y = x @ W^T, every row computed alike whatever the row count (rowlinear.cpp)");
+  mod.def("qlinear", &qlinear, nogil, "y = q8(x) . W^T for Q4_1 / Q8_0 weights, integer dot products, row-invariant");
+  mod.def("attend", &attend, nogil, "the lean target's attention, row-invariant (attention.cpp)");
   mod.def("rowlinear_isa", &rowlinear_isa, "which instruction set rowlinear's bf16 path runs on this CPU");
   mod.def("rowlinear_set_isa", &rowlinear_set_isa, "'avx2' forces rowlinear's 8-lane path, 'auto' undoes it");
   register_stack(mod);  // Stack: a Llama-style target's decoder layers in one call (layers.cpp)
