@@ -35,6 +35,21 @@ def test_conversion_is_reproducible_and_verified(tmp_path):
     assert (again / "model.safetensors").read_bytes() == (cached / "model.safetensors").read_bytes()
 
 
+def test_the_same_gguf_elsewhere_finds_its_conversion_by_content(tmp_path, monkeypatch):
+    """A copy of the default GGUF at another path (another virtualenv's site-packages) resolves to the cached
+    conversion already made, not a second one: the cache is keyed by the file's bytes."""
+    import shutil
+
+    import dflashkit.loader as loader
+
+    cached = resolve_target_dir(None)
+    copy = tmp_path / "venv2" / default_gguf().name
+    copy.parent.mkdir()
+    shutil.copyfile(default_gguf(), copy)
+    monkeypatch.setattr(loader, "convert_gguf", lambda *a: pytest.fail("converted the same model again"))
+    assert resolve_target_dir(copy) == cached
+
+
 def test_greedy_speculative_matches_autoregressive_up_to_near_ties(real, capsys):
     """float32: a block forward rounds differently from a one-token forward, so a divergence is allowed
     only where the target's top-2 logit gap is below 1e-3 (a near-tie); the test reports how many."""
@@ -319,6 +334,19 @@ def test_cli_data_generate_regenerates_responses_and_resumes(tmp_path):
     first = (tmp_path / "data" / "heldout-00000.npz").stat().st_mtime_ns
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)  # finished chunks are kept
     assert again.returncode == 0 and (tmp_path / "data" / "heldout-00000.npz").stat().st_mtime_ns == first
+    # a plain {"prompt": ...} file, the format `dflashkit train --prompts` takes (it crashed with KeyError 'split')
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    cmd = [sys.executable, "-m", "dflashkit.cli", "data", "generate", "--prompts", str(plain), "--out",
+           str(tmp_path / "plain-data"), "--split", "train", "--max-new-tokens", "4", "--dtype", "float32"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == {"split": "train", "chunks": 1}
+    assert sum(len(s) for s in load_shards(tmp_path / "plain-data", "train")) == 3  # none is held out at 2 %
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("{not json\n")
+    out = subprocess.run(cmd[:5] + [str(broken)] + cmd[6:], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "one JSON object per line" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_cli_bench_and_export_run_end_to_end(tmp_path, capsys):

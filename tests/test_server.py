@@ -169,10 +169,19 @@ def test_full_queue_gets_429_and_shutdown_drains_in_flight_requests():
     server = {"url": url}
     body = json.dumps({"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 120,
                        "temperature": 0})
+    def status_and_retry(_):
+        req = urllib.request.Request(url + "/v1/chat/completions", data=body.encode(),
+                                     headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, r.headers.get("Retry-After")
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers.get("Retry-After")
     with ThreadPoolExecutor(6) as ex:
-        futures = [ex.submit(post, server, body) for _ in range(6)]
-        statuses = [f.result()[0] for f in futures]
+        got = list(ex.map(status_and_retry, range(6)))
+    statuses = [s for s, _ in got]
     assert statuses.count(200) >= 1 and 429 in statuses and set(statuses) <= {200, 429}
+    assert all(retry == "1" for s, retry in got if s == 429)  # the 429 says when to come back
     # shutdown while a request is running: it still completes (drain)
     sched = app.state.scheduler
     with ThreadPoolExecutor(1) as ex:
@@ -254,6 +263,7 @@ def test_lookup_branch_under_continuous_batching():
             return body
         with ThreadPoolExecutor(6) as ex:
             got = list(ex.map(ask, range(6)))
+        metrics = scrape(url)
     finally:
         srv.should_exit = True
         th.join(30)
@@ -261,3 +271,85 @@ def test_lookup_branch_under_continuous_batching():
         alone_text = engine.generate([encode_chat(tok, PROMPTS[i])], max_new_tokens=40)[0].text
         assert body["choices"][0]["message"]["content"] == alone_text, PROMPTS[i]
         assert len(body["dflash"]["acceptance"]) == 6  # draft positions reach the lookup branch's depth
+    # /metrics after this known workload (a fresh server, 6 requests) is the sum of what the engine reported
+    stats = [b["dflash"] for b in got]
+    passes = sum(st["target_passes"] for st in stats)
+    for src in ("drafter", "lookup"):
+        verified = sum(st["draft_nodes"][src]["verified"] for st in stats)
+        accepted = sum(st["draft_nodes"][src]["accepted"] for st in stats)
+        assert verified > accepted > 0, src  # both sources drafted, some of it right, some wrong
+        assert metrics[f'dflashkit_draft_tokens_total{{source="{src}"}}'] == verified
+        assert metrics[f'dflashkit_accepted_tokens_total{{source="{src}"}}'] == accepted
+    assert metrics["dflashkit_target_passes_total"] == passes
+    assert metrics["dflashkit_requests_total"] == metrics["dflashkit_sequences_total"] == 6
+    engine_tau = sum(st["tau"] * st["target_passes"] for st in stats) / passes
+    assert metrics["dflashkit_tau"] == pytest.approx(engine_tau, abs=1e-4)
+    drafted = metrics['dflashkit_draft_tokens_total{source="drafter"}'] + \
+        metrics['dflashkit_draft_tokens_total{source="lookup"}']
+    assert drafted <= passes * (6 + 6)  # at most the tree's nodes per pass, not passes x (span - 1) made up
+
+
+def scrape(url: str) -> dict:
+    """/metrics as {series: value}."""
+    text = urllib.request.urlopen(url + "/metrics").read().decode()
+    return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and ln[0] != "#"}
+
+
+def test_seeded_sampling_reproduces_speculating_or_not_alone_or_under_load(server, client):
+    """temperature 0.7 with a seed: the same text on every run, speculating or not (`speculate: false` decodes
+    plainly), alone or while seven other requests (unseeded, some plain) share the batches."""
+    def ask(p, seed=1234, speculate=True, temperature=0.7):
+        r = client.chat.completions.create(model="smollm2-test", messages=[{"role": "user", "content": p}],
+                                           max_tokens=40, temperature=temperature, seed=seed,
+                                           extra_body={"speculate": speculate})
+        return r.choices[0].message.content
+    p = PROMPTS[2]
+    first = ask(p)
+    assert ask(p) == first and ask(p, speculate=False) == first
+    with ThreadPoolExecutor(8) as ex:
+        mine = ex.submit(ask, p)
+        load = [ex.submit(ask, q, None, i % 2 == 0, 1.0) for i, q in enumerate(PROMPTS[:6])]
+        plain = ex.submit(ask, p, speculate=False)
+        others = [f.result() for f in load]
+        assert mine.result() == first and plain.result() == first
+    assert len(set(others)) > 1
+    assert ask(p, seed=4321) != first  # the seed decides
+
+
+def test_a_client_that_leaves_a_json_request_is_logged_once_without_a_traceback(server):
+    """A non-streaming request whose client disconnects: its row is freed, one INFO line, no ASGI traceback."""
+    import http.client
+    import logging
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+    handler = Keep(logging.INFO)
+    loggers = [logging.getLogger(n) for n in ("uvicorn.error", "dflashkit.openai_api")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+    try:
+        host, port = server["url"].removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps({
+            "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+            "max_tokens": 900, "temperature": 0}), {"content-type": "application/json"})
+        sched = server["app"].state.scheduler
+        deadline = time.time() + 30
+        while not sched.jobs and time.time() < deadline:
+            time.sleep(0.02)
+        conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away before its answer
+        conn.close()
+        while (sched.jobs or not records) and time.time() < deadline + 30:
+            time.sleep(0.1)
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(lv)
+    assert not sched.jobs
+    assert [r.levelno for r in records] == [logging.INFO], [r.getMessage() for r in records]
+    assert "disconnected" in records[0].getMessage() and records[0].exc_info is None

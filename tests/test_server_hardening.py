@@ -205,6 +205,23 @@ def test_limits_and_odd_input_get_openai_style_400(server, body, message):
     assert set(payload) == {"error"}  # OpenAI's shape, never FastAPI's {"detail": ...}
 
 
+def test_a_prompt_longer_than_the_context_in_characters_is_refused_before_tokenising(server):
+    """200,000 characters cannot be 1,024 tokens (no token of this tokenizer spans 200 characters): a 400 naming
+    --max-len, without tokenising it (a 100k-token prompt was tokenised in full first: seconds and a GB)."""
+    status, payload = post(server, chat("lorem ipsum " * 17000))
+    err = payload["error"]
+    assert status == 400 and "characters" in err["message"] and "--max-len 1024" in err["message"]
+    assert err["param"] == "messages"
+    status, payload = post(server, json.dumps({"prompt": "x" * 200_000, "max_tokens": 4}), "/v1/completions")
+    assert status == 400 and payload["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize("body", ['{"messages": [{"role": "user", "content": "hi"}]', "{not json", "[1, 2"])
+def test_invalid_json_names_where_it_breaks_without_a_param(server, body):
+    status, payload = post(server, body)
+    assert status == 400 and "not valid JSON" in payload["error"]["message"] and payload["error"]["param"] is None
+
+
 @pytest.mark.parametrize("extra", [{"temperature": 1e-45}, {"temperature": 1e-300}, {"top_p": 1e-300},
                                    {"temperature": 2.0, "top_p": 1e-300, "seed": 3}])
 def test_extreme_sampling_values_give_text_not_nan(server, extra):

@@ -71,3 +71,41 @@ def test_the_api_cli_and_bench_share_one_default():
         assert isinstance(args, argparse.Namespace) and decode_config(args).replace(block_size=None) == rec, cmd
     assert BenchConfig(datasets=[]).decode == rec
     assert "DecodeConfig.recommended()" in inspect.getsource(DFlashEngine.__init__)
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports, at the top or inside a function."""
+    names = {}
+    for f in FILES:
+        parts = f.relative_to(SRC.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph = {}
+    for name, f in names.items():
+        pkg = name if f.name == "__init__.py" else name.rsplit(".", 1)[0]
+        found = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = pkg
+                    for _ in range(node.level - 1):
+                        up = up.rsplit(".", 1)[0]
+                    base = up + ("." + node.module if node.module else "")
+                for a in node.names:  # `from . import x` names a module; `from .m import f` names m
+                    found.add(base + "." + a.name if base + "." + a.name in names else base)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        graph[name] = {m for m in found if m in names and m != name}
+    return graph
+
+
+def test_no_import_circles():
+    """No module imports, directly or through others, a module that imports it (imports inside functions
+    count: they hide a circle, they do not remove it)."""
+    graph = module_imports()
+    assert "dflashkit.kernels" in graph and graph["dflashkit.cli"]  # the walk sees the package
+
+    def reaches(a, b, seen):
+        return any(n == b or (n not in seen and not seen.add(n) and reaches(n, b, seen)) for n in graph[a])
+    circles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if reaches(b, a, set()))
+    assert not circles, "\n".join(circles)

@@ -9,44 +9,11 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .cli_flags import Help, add_target_flags
 from .cli_training import training_parsers
 from .errors import DFlashError
 
 log = logging.getLogger("dflashkit")
-
-
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each flag's default after its help, unless the help already says it (or there is none to show)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
-            return text
-        return text + " (default: %(default)s)"
-
-
-def _add_target_flags(p: argparse.ArgumentParser, drafter: bool = True) -> None:
-    p.add_argument("--target", default=None,
-                   help="HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
-    if drafter:
-        p.add_argument("--drafter", default=None, help="Z Lab-format drafter directory (default: the bundled drafter)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"],
-                   help="weights and activations")
-    p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"],
-                   help="target forward: lean = dflashkit's batch-invariant forward (bit-identical speculative "
-                        "output in bf16; Llama, Qwen3, Gemma 3), hf = transformers' modules; auto = lean where it "
-                        "applies (default: %(default)s)")
-    p.add_argument("--kernel", default="auto", choices=["auto", "torch", "rowlinear"],
-                   help="lean kernels: torch = F.linear + tensor-op attention (row-invariant on some CPUs only: the "
-                        "self-check says); rowlinear = dflashkit's row-invariant C++ linears and attention (AVX2; "
-                        "compiled once with g++); auto = rowlinear for bf16 on a CPU where it builds, else torch "
-                        "(default: %(default)s)")
-    p.add_argument("--quant", default="none", choices=["none", "int4", "int4-a8"],
-                   help="int4 = run a Q4_1 GGUF target on its own 4-bit codes with the rowlinear kernel (a different "
-                        "target from its bf16 dequantisation, exact against its own AR); int4-a8 = the same codes "
-                        "with each token's activations rounded to 8 bits and integer dot products, as llama.cpp "
-                        "computes (another target again) (default: %(default)s)")
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -54,7 +21,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     from .decode_config import DecodeConfig
 
     rec = DecodeConfig.recommended()
-    _add_target_flags(p)
+    add_target_flags(p)
     p.add_argument("--lookup", type=int, default=rec.lookup.max_tokens,
                    help="also verify an n-gram lookup branch of up to N tokens copied from earlier in the sequence, "
                         "beside the DFlash block (a draft tree; output stays exact). 0 = off. bench: the lookup length "
@@ -328,7 +295,7 @@ def _export_gguf(args, target, drafter):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflashkit", description="DFlash block-diffusion speculative decoding.",
-                                 formatter_class=_Help)
+                                 formatter_class=Help)
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     ap.add_argument("--version", action="version", version=f"dflashkit {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -340,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate_and_data_parsers(sub) -> None:
-    g = sub.add_parser("generate", formatter_class=_Help, help="answer one prompt (chat template applied)")
+    g = sub.add_parser("generate", formatter_class=Help, help="answer one prompt (chat template applied)")
     g.add_argument("--prompt", required=True, help="the user message (the target's chat template is applied)")
     _add_model_flags(g)
     g.add_argument("--block-size", type=int, default=None,
@@ -361,7 +328,7 @@ def _generate_and_data_parsers(sub) -> None:
 
 
 def _bench_and_serve_parsers(sub) -> None:
-    b = sub.add_parser("bench", formatter_class=_Help, help="tau and speed vs autoregressive decoding and the peers")
+    b = sub.add_parser("bench", formatter_class=Help, help="tau and speed vs autoregressive decoding and the peers")
     b.add_argument("--dataset", action="append", default=None,
                    help="humaneval | mt-bench | mt-bench-t1 (first turns) | sharegpt-heldout | math | speed-bench "
                         "(repeatable)")
@@ -388,7 +355,7 @@ def _bench_and_serve_parsers(sub) -> None:
     _add_model_flags(b)
     b.set_defaults(func=cmd_bench)
 
-    sv = sub.add_parser("serve", formatter_class=_Help, help="OpenAI-compatible server with continuous batching")
+    sv = sub.add_parser("serve", formatter_class=Help, help="OpenAI-compatible server with continuous batching")
     _add_model_flags(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 = every interface)")
     sv.add_argument("--port", type=int, default=8000, help="TCP port")
@@ -407,7 +374,7 @@ def _bench_and_serve_parsers(sub) -> None:
 
 
 def _export_parser(sub) -> None:
-    ex = sub.add_parser("export", formatter_class=_Help,
+    ex = sub.add_parser("export", formatter_class=Help,
                         help="write the drafter for SGLang / Z Lab, vLLM speculators or llama.cpp (GGUF)")
     ex.add_argument("--format", required=True, choices=["zlab", "speculators", "gguf"],
                     help="zlab = Z Lab's checkpoint layout (SGLang, Z Lab's package); speculators = vLLM's; "
@@ -426,7 +393,7 @@ def _export_parser(sub) -> None:
                          "llama.cpp's converter")
     ex.add_argument("--llamacpp-src", default=".llamacpp/src",
                     help="gguf: llama.cpp's source (for its converter; scripts/llamacpp-build.sh puts it there)")
-    _add_target_flags(ex)
+    add_target_flags(ex)
     ex.set_defaults(func=cmd_export, dtype="float32")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from .cli_flags import Help, add_target_flags
 from .errors import DFlashError
 
 
@@ -88,22 +89,20 @@ def cmd_check_drafter(args) -> int:
 
 
 def training_parsers(sub) -> None:
-    from .cli import _Help, _add_target_flags
-
-    d = sub.add_parser("data", formatter_class=_Help, help="build training data")
+    d = sub.add_parser("data", formatter_class=Help, help="build training data")
     d = d.add_subparsers(dest="data_command", required=True)
-    dp = d.add_parser("prompts", formatter_class=_Help,
+    dp = d.add_parser("prompts", formatter_class=Help,
                       help="prompts from ShareGPT (offline) or your JSONL, minus benchmark overlap")
     dp.add_argument("--out", required=True, help="output directory (prompts.jsonl + manifest.json)")
     dp.add_argument("--source", default=None, help="JSONL of {prompt} or {messages} objects (default: ShareGPT)")
     dp.add_argument("--held-out", type=float, default=0.02, help="fraction of conversations held out (by id hash)")
     dp.set_defaults(func=cmd_data_prompts)
-    dg = d.add_parser("generate", formatter_class=_Help, help="regenerate responses with the target (resumable chunks)")
+    dg = d.add_parser("generate", formatter_class=Help, help="regenerate responses with the target (resumable chunks)")
     dg.add_argument("--prompts", required=True, help="prompts.jsonl from `dflashkit data prompts`")
     dg.add_argument("--out", required=True, help="output directory (chunked JSONL; rerun to resume)")
     dg.add_argument("--split", action="append", default=None, choices=["train", "heldout"],
                     help="which prompts to answer (repeatable; default: both)")
-    _add_target_flags(dg, drafter=False)
+    add_target_flags(dg, drafter=False)
     dg.add_argument("--chunk-size", type=int, default=64, help="prompts per chunk (= batch size)")
     dg.add_argument("--max-prompt-tokens", type=int, default=192, help="longer prompts are skipped")
     dg.add_argument("--max-new-tokens", type=int, default=320, help="response length at most")
@@ -111,7 +110,7 @@ def training_parsers(sub) -> None:
     dg.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     dg.set_defaults(func=cmd_data_generate)
 
-    t = sub.add_parser("train", formatter_class=_Help,
+    t = sub.add_parser("train", formatter_class=Help,
                        help="train a drafter for a target: prompts, the target's own answers, training, check")
     t.add_argument("--target", default=None,
                    help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
@@ -128,7 +127,7 @@ def training_parsers(sub) -> None:
                         "recipe (out_dir, data_dir...) as before")
     t.set_defaults(func=cmd_train)
 
-    c = sub.add_parser("check-drafter", formatter_class=_Help,
+    c = sub.add_parser("check-drafter", formatter_class=Help,
                        help="does the drafter accept when decoding what training predicts? probes the silent failures")
     c.add_argument("drafter_dir", help="drafter directory (or a `dflashkit train` run directory)")
     c.add_argument("--target", default=None, help="its target (default: the embedded SmolLM2-135M-Instruct)")

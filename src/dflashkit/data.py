@@ -140,10 +140,20 @@ def write_prompts(records: list[dict], report: dict, out_dir: str | Path) -> Pat
 
 
 def read_prompts(path: str | Path) -> list[dict]:
+    """The prompt records of `path`: a file `dflashkit data prompts` wrote ({id, messages, split} per line), or a
+    user's own JSONL ({"prompt": ...}, {"messages": [...]} or ShareGPT-style, the format `dflashkit train --prompts`
+    takes), made into such records as `data prompts --source` would (benchmark overlaps dropped, a held-out split)."""
     try:
-        return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     except (OSError, json.JSONDecodeError) as e:
-        raise DFlashError(f"cannot read prompts {path} ({e}); build it with `dflashkit data prompts`.") from None
+        raise DFlashError(f"cannot read prompts {path} ({e}); give one JSON object per line, e.g. "
+                          '{"prompt": "..."}, or build the file with `dflashkit data prompts`.') from None
+    if all(isinstance(r, dict) and "messages" in r and "split" in r for r in records):
+        return records
+    records, report = build_prompts(user_file=str(path))
+    log.info("%s: %d prompts (%d held out, %d dropped as benchmark overlaps, %d empty)", path, report["kept"],
+             report["heldout"], report["dropped_benchmark_overlap"], report["dropped_empty"])
+    return records
 
 
 @dataclass

@@ -22,6 +22,7 @@ from .batch import DecodeBatch, SeqState, StepOutput, cache_positions
 from .decode_config import DecodeConfig
 from .drafter import DFlashDrafter
 from .errors import DFlashError
+from .measurements import cache_dir
 from .policy import AdaptivePolicy, FixedPolicy
 from .step_cost import CostModel, load_or_calibrate
 from .proposers import DrafterProposer, LookupProposer, check_compatible
@@ -127,7 +128,6 @@ class DFlashEngine:
                 cost = dataclasses.replace(self.cost, verify_ms=list(self.cost.verify_ms),
                                            draft_ms=list(self.cost.draft_ms))
             else:
-                from .loader import cache_dir
                 file = cache_dir() / "cost.json" if self.cost_file == "default" else self.cost_file
                 cost = load_or_calibrate(self.target, proposer, file)
             self._policies[key] = AdaptivePolicy(cost)

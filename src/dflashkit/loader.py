@@ -17,11 +17,12 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_drafter
+from .checkpoint import atomic_write, load_drafter
 from .config import DFlashConfig
 from .drafter import DFlashDrafter
 from .errors import DFlashError
 from .backends.hf import HFTarget
+from .measurements import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +31,6 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
 UNTRAINED_SEED = 0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("DFLASHKIT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflashkit")
-    return Path(root)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -125,6 +120,23 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     return out
 
 
+def content_key(gguf: Path) -> str:
+    """The cache key of a GGUF's conversion: its bytes' digest, so the same model in another virtualenv or folder
+    finds the copy already made. Digests are remembered by (path, size, mtime) in the cache's digests.json: hashing
+    a multi-GB file at every start would cost seconds."""
+    st = gguf.stat()
+    stamp = f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    index = cache_dir() / "targets" / "digests.json"
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if stamp not in known:
+        known[stamp] = _file_digest(gguf)[:16]
+        atomic_write(index, lambda p: Path(p).write_text(json.dumps(known, indent=1) + "\n"))
+    return known[stamp]
+
+
 def resolve_target_dir(path: str | os.PathLike | None = None) -> Path:
     """A local HF directory for `path` (None = the default SmolLM2 target); GGUF files go through the cache."""
     if path is None:
@@ -145,9 +157,7 @@ def resolve_target_dir(path: str | os.PathLike | None = None) -> Path:
         if f.read(4) != b"GGUF":
             raise DFlashError(f"{gguf} is not a GGUF file (no GGUF header); give a real .gguf file or a Hugging Face "
                               "model directory.")
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
-    out = cache_dir() / "targets" / f"{gguf.stem}-{key}"
+    out = cache_dir() / "targets" / f"{gguf.stem}-{content_key(gguf)}"
     if not (out / MANIFEST).is_file():
         convert_gguf(gguf, out)
     return out

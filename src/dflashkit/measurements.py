@@ -8,8 +8,17 @@ import hashlib
 import json
 import os
 import platform
+from pathlib import Path
 
 import torch
+
+
+def cache_dir() -> Path:
+    """Where dflashkit keeps what it made or measured on this machine (converted targets, compiled kernels, the
+    cost model, the self-check): $DFLASHKIT_CACHE, else $XDG_CACHE_HOME/dflashkit, else ~/.cache/dflashkit."""
+    root = os.environ.get("DFLASHKIT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflashkit")
+    return Path(root)
 
 
 def machine_key(*parts) -> str:

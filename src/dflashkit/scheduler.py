@@ -29,9 +29,10 @@ from .stats import tau_from_counts
 log = logging.getLogger(__name__)
 
 # Prompt tokens prefilled between two decoding steps (`dflashkit serve --prefill-chunk`). Why chunks: a prompt's
-# prefill is one forward, and every running stream waits for it (a 2,000-token prompt: seconds on 2 cores). Why
-# this size: bench/results/serve-chunked-prefill (the streams' inter-token p99 against the throughput).
-DEFAULT_PREFILL_CHUNK = 256
+# prefill is one forward, and every running stream waits for it (several 1,400-token prompts: up to a minute on 2
+# AVX2 cores). Why 64 (bench/results/serve-pressure): the streams' inter-token p99 0.55 s (256: 1.9 s; whole: 13 s)
+# at more throughput than whole prompts; 256 gives ~8 % more throughput and shorter long-prompt TTFT.
+DEFAULT_PREFILL_CHUNK = 64
 
 
 @dataclass

@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from ..errors import DFlashError
-from .peers import Skip, Turn
+from .turn import Skip, Turn
 
 ACCEPTED = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
 REDUCED_VOCAB = 16384  # the reduced draft vocabulary row (`--draft-vocab` of the GGUF export)

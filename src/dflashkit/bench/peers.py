@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,21 +21,8 @@ import torch
 from ..decode_config import DecodeConfig
 from ..errors import DFlashError
 from ..lookup import LookupParams
-
-
-class Skip(Exception):
-    """A peer that cannot run here; the message names the remedy."""
-
-
-@dataclass
-class Turn:
-    """One generated turn of one method."""
-
-    tokens: list[int]
-    accepted: list[int] = field(default_factory=list)  # per verify cycle (empty for non-speculative peers)
-    new_tokens: int = 0
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
+from .llamacpp import llamacpp_dflash, llamacpp_server  # llama.cpp's own binaries (scripts/llamacpp-build.sh)
+from .turn import Skip, Turn
 
 
 class EngineMethod:
@@ -316,7 +303,6 @@ def _llamacpp(ctx):
 
 
 def _llama_server(ctx, dflash: bool):
-    from .llamacpp import llamacpp_dflash, llamacpp_server  # llama.cpp's own binaries (scripts/llamacpp-build.sh)
     return llamacpp_dflash(ctx) if dflash else llamacpp_server(ctx)
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from ..measurements import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(n) for n in ("module.cpp", "rowlinear.cpp", "qlinear.cpp", "attention.cpp",
@@ -31,8 +33,6 @@ _state: dict = {}
 
 
 def _build_dir() -> Path:
-    from ..loader import cache_dir  # imported here: the loader imports the backends, which import this module
-
     d = cache_dir() / "kernels" / f"torch-{torch.__version__.split('+')[0]}"
     d.mkdir(parents=True, exist_ok=True)
     return d
@@ -53,7 +53,8 @@ def _put_ninja_on_path() -> None:
 
 
 def load():
-    """The compiled module, or None (the reason in `why_unavailable()`). Compiles on first use (~30-60 s)."""
+    """The compiled module, or None (the reason in `why_unavailable()`). Compiles on first use (~1-2 minutes of g++
+    on 2 cores)."""
     if "mod" in _state:
         return _state["mod"]
     _state["mod"], _state["why"] = None, ""
