@@ -295,6 +295,17 @@ def scrape(url: str) -> dict:
     return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and ln[0] != "#"}
 
 
+def test_requests_and_sequences_are_counted_apart(server, client):
+    """One request with n = 3 is one request and three sequences on /metrics."""
+    before = scrape(server["url"])
+    r = client.chat.completions.create(model="smollm2-test", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                       max_tokens=8, temperature=0.9, seed=3, n=3)
+    after = scrape(server["url"])
+    assert len(r.choices) == 3
+    assert after["dflashkit_requests_total"] - before["dflashkit_requests_total"] == 1
+    assert after["dflashkit_sequences_total"] - before["dflashkit_sequences_total"] == 3
+
+
 def test_seeded_sampling_reproduces_speculating_or_not_alone_or_under_load(server, client):
     """temperature 0.7 with a seed: the same text on every run, speculating or not (`speculate: false` decodes
     plainly), alone or while seven other requests (unseeded, some plain) share the batches."""
