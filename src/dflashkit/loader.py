@@ -71,9 +71,20 @@ MANIFEST = "dflashkit-conversion.json"  # written last into a converted GGUF tar
 
 
 def gguf_source(target_dir: Path) -> str | None:
-    """The GGUF a converted target's directory was made from (its manifest), or None for any other target."""
+    """The GGUF a converted target's directory was made from, or None for any other target. Why not simply the path
+    its manifest records: the cache is keyed by content and shared by every virtualenv holding the same file, so that
+    path may be gone (a deleted virtualenv) or hold other bytes; then another path known to hold these bytes (the
+    cache's digests) serves."""
     manifest = target_dir / MANIFEST
-    return json.loads(manifest.read_text())["source"] if manifest.is_file() else None
+    if not manifest.is_file():
+        return None
+    made = json.loads(manifest.read_text())
+    key = made["source_sha256"][:16]
+    paths = [made["source"]] + [stamp.rsplit(":", 2)[0] for stamp, d in _digests().items() if d == key]
+    for path in dict.fromkeys(paths):
+        if Path(path).is_file() and content_key(Path(path)) == key:
+            return path
+    return made["source"]  # gone everywhere: the caller says what it cannot read
 
 
 def convert_gguf(gguf: Path, out: Path) -> Path:
@@ -126,15 +137,23 @@ def content_key(gguf: Path) -> str:
     a multi-GB file at every start would cost seconds."""
     st = gguf.stat()
     stamp = f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    index = cache_dir() / "targets" / "digests.json"
-    try:
-        known = json.loads(index.read_text())
-    except (OSError, ValueError):
-        known = {}
+    known = _digests()
     if stamp not in known:
         known[stamp] = _file_digest(gguf)[:16]
-        atomic_write(index, lambda p: Path(p).write_text(json.dumps(known, indent=1) + "\n"))
+        atomic_write(_digests_file(), lambda p: Path(p).write_text(json.dumps(known, indent=1) + "\n"))
     return known[stamp]
+
+
+def _digests_file() -> Path:
+    return cache_dir() / "targets" / "digests.json"
+
+
+def _digests() -> dict[str, str]:
+    """{"path:size:mtime_ns": the first 16 hex digits of the file's sha256} for every GGUF resolved so far."""
+    try:
+        return json.loads(_digests_file().read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def resolve_target_dir(path: str | os.PathLike | None = None) -> Path:

@@ -60,12 +60,11 @@ class DraftState:
     Why features may stay pending: a step that skips the drafter does not pay for writing them; its next forward
     ingests them all at once (`DrafterProposer.ingest`). A joining prompt's features start out pending too, and the
     drafter's cache is allocated only when the drafter first runs: under continuous batching a row the policy never
-    drafts for costs the drafter nothing. Why a store by position, not a list of pending chunks padded to one width
-    (sessions 8-19): while the drafter did not run, that width grew by a column per step for the batch's whole life
-    (a row joining late was padded to it), and every join and leave copied the whole pile - in a server whose
-    drafter does not pay, without bound (measured: ~1.7 s of 12 in one 16-request replay cell). Now a step writes
-    its rows' features at their positions, a join copies the new rows' prompt features, a leave moves one row's
-    used slots, and the pile is bounded by the cache length."""
+    drafts for costs the drafter nothing. Why a store by position, not a list of pending chunks padded to one width:
+    while the drafter does not run, such a width grows by a column per step for the batch's whole life (a row joining
+    late padded to it), and every join and leave copies the whole pile - in a server whose drafter does not pay,
+    without bound. By position, a step writes its rows' features at their positions, a join copies the new rows'
+    prompt features, a leave moves one row's used slots, and the store is bounded by the cache length."""
 
     def __init__(self, new_cache, feats: PositionCache, lo: list[int]):
         self._new_cache = new_cache  # rows -> an empty PositionCache for that many rows
