@@ -1,0 +1,208 @@
+"""Every target step and drafting step as a fraction of this machine's roofline.
+
+    .venv/bin/python bench/roofline.py --out bench/results/roofline [--repeats 3] [--context 176]
+
+First the machine: streaming read bandwidth (a 512 MB float32 tensor summed by torch's threads) and the peak
+dot-product rate (torch's fp32 and bf16 GEMM at 1024 x 2048 x 2048; the faster one). Then the engine as
+`dflashkit generate` runs it (the default target on its default kernels, bf16): a target step of `w` new tokens
+per row (w = 1, 2, 4, 8, 16, 32) for `rows` rows (1, 2, 4, 8, 16) after a `--context`-token prompt, forward plus
+the LM head over every new token, as a verify pass computes it; and the bundled drafter's drafting step (one block
+of 16 per row) at 1-16 rows. For each:
+  bytes = the weights the step reads (codes, scales, the head) + the K/V it attends to (bf16);
+  FLOPs = 2 x weight elements x tokens + the attention's 4 x context x heads x head_dim per token and layer;
+  roofline = max(bytes / bandwidth, FLOPs / peak); fraction = roofline / measured (1.0 = at the roofline).
+Medians of `--repeats` timings. Writes roofline.json, roofline.md and roofline.png into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+WIDTHS, ROWS = [1, 2, 4, 8, 16, 32], [1, 2, 4, 8, 16]
+
+
+def timed(fn, repeats: int, inner: int = 3) -> float:
+    """ms per call: the median of `repeats` means of `inner` calls (after one warm-up call)."""
+    fn()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        runs.append((time.perf_counter() - t0) / inner * 1000)
+    return statistics.median(runs)
+
+
+def machine(repeats: int) -> dict:
+    """Streaming bandwidth (GB/s) and the peak GEMM rate (GFLOP/s) with torch's threads."""
+    a = torch.ones(128 * 1024 * 1024)  # 512 MB
+    bw = a.numel() * 4 / timed(lambda: a.sum(), repeats) / 1e6
+    del a
+    rates = {}
+    for dt in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(1024, 2048).to(dt), torch.randn(2048, 2048).to(dt)
+        rates[str(dt).split(".")[1]] = 2 * 1024 * 2048 * 2048 / timed(lambda: x @ w, repeats) / 1e6
+    return {"bandwidth_gb_s": bw, "gemm_gflop_s": rates, "peak_gflop_s": max(rates.values())}
+
+
+def nbytes(w) -> int:
+    """Bytes a weight occupies as the kernels read it (a RowLinear's codes, scales and minima, or a tensor)."""
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return sum(t.numel() * t.element_size() for t in (w.codes, w.scale, w.minimum))
+
+
+def target_shape(t) -> dict:
+    """Weight bytes, weight elements (per token: 2 FLOPs each) and the attention's sizes of a lean target."""
+    head = getattr(t, "head", None)
+    ws = [w for ly in t._layers for w in (ly.wqkv, ly.wgu, ly.wo, ly.wdown)] + [t.lm_head_weight if head is None
+                                                                                 else head]
+    shape = lambda w: tuple(w.shape)  # noqa: E731 - RowLinear and tensors both have .shape [N, K]
+    c = t.config
+    return {"weight_bytes": sum(nbytes(w) for w in ws), "weight_elems": sum(a * b for a, b in map(shape, ws)),
+            "layers": len(t._layers), "kv_heads": c.num_key_value_heads, "heads": c.num_attention_heads,
+            "head_dim": getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)}
+
+
+def roofline(ms: float, bytes_: float, flops: float, m: dict) -> dict:
+    floor = max(bytes_ / m["bandwidth_gb_s"] / 1e6, flops / m["peak_gflop_s"] / 1e6)
+    return {"ms": round(ms, 3), "roofline_ms": round(floor, 3), "fraction": round(floor / ms, 3),
+            "bound": "memory" if bytes_ / m["bandwidth_gb_s"] >= flops / m["peak_gflop_s"] else "compute"}
+
+
+def target_steps(t, ctx: int, m: dict, repeats: int) -> dict:
+    s = target_shape(t)
+    out = {}
+    for rows in ROWS:
+        cache = t.new_cache(rows, ctx + max(WIDTHS) + 1)
+        ids = torch.randint(4, t.vocab_size, (rows, ctx + max(WIDTHS)), generator=torch.Generator().manual_seed(0))
+        t.forward(ids[:, :ctx], torch.arange(ctx).expand(rows, ctx), cache, kv_len=ctx, taps=False)
+        for w in WIDTHS:
+            pos = torch.arange(ctx, ctx + w).expand(rows, w)
+
+            def step():
+                h, _ = t.forward(ids[:, ctx:ctx + w], pos, cache, kv_len=ctx + w, taps=False)
+                return t.logits(h)
+            ms = timed(step, repeats)
+            kv = rows * (ctx + w) * s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * 2
+            flops = 2 * s["weight_elems"] * rows * w + 4 * rows * w * (ctx + w) * s["heads"] * s["head_dim"] * s["layers"]
+            out[f"{rows}x{w}"] = roofline(ms, s["weight_bytes"] + kv, flops, m)
+    return out
+
+
+def drafter_steps(target, tok, ctx: int, m: dict, repeats: int) -> dict:
+    """The bundled drafter's drafting step (its block of B queries per row) at 1-16 rows, after a ctx-token prompt."""
+    from dflashkit import DecodeConfig, DFlashEngine
+    from dflashkit.loader import load_default_drafter
+    from dflashkit.proposers import DraftView
+
+    drafter, _ = load_default_drafter(target, tok)
+    eng = DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig(policy="fixed"))
+    prop = eng.drafter_proposer(eng.config)
+    B, dc = prop.block_size, drafter.config
+    params = sum(p.numel() for n, p in drafter.named_parameters() if "embed" not in n)
+    head = prop.head if prop.head is not None else target.lm_head_weight
+    out = {}
+    for rows in ROWS:
+        batch = eng.new_batch(ctx + 64)
+        prompt = torch.randint(4, target.vocab_size, (ctx,), generator=torch.Generator().manual_seed(1)).tolist()
+        batch.add([eng.sequence(i, prompt, max_new_tokens=8) for i in range(rows)])
+        view = DraftView(batch.anchor, batch.start, max(batch.starts), batch.seqs, batch.starts)
+        prop.propose(batch.dstate, view)  # ingests the prompt's features once; later calls only draft
+        ms = timed(lambda: prop.propose(batch.dstate, view), repeats)
+        bytes_ = params * 2 + nbytes(head) + rows * (ctx + B) * dc.num_hidden_layers * 2 * dc.num_key_value_heads * \
+            dc.head_dim * 2
+        flops = 2 * (params * B + head.shape[0] * head.shape[1] * (B - 1)) * rows + \
+            4 * rows * B * (ctx + B) * dc.num_attention_heads * dc.head_dim * dc.num_hidden_layers
+        out[str(rows)] = roofline(ms, bytes_, flops, m)
+    return out
+
+
+def main() -> int:
+    from dflashkit.kernels import isa
+    from dflashkit.loader import load_target
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results/roofline")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--context", type=int, default=176)
+    args = ap.parse_args()
+    m = machine(args.repeats)
+    target, tok = load_target(dtype="bfloat16")
+    with torch.inference_mode():
+        steps = target_steps(target, args.context, m, args.repeats)
+        drafts = drafter_steps(target, tok, args.context, m, args.repeats)
+    one = steps["1x1"]["ms"]
+    meta = {"command": "bench/roofline.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
+            "cpu": cpu_name(), "threads": torch.get_num_threads(), "engine": getattr(target, "engine_name", "?"),
+            "rowlinear_isa": isa(), "context": args.context, **m, **target_shape(target)}
+    res = {"meta": meta, "target": steps, "drafter": drafts,
+           "verify4_over_step1": round(steps["1x4"]["ms"] / one, 3),
+           "draft1_over_step1": round(drafts["1"]["ms"] / one, 3)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "roofline.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / "roofline.md").write_text(report(res))
+    plot(out / "roofline.png", res)
+    print(report(res))
+    return 0
+
+
+def cpu_name() -> str:
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    return f"{model} ({', '.join(f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16') if f in flags)})"
+
+
+def report(res: dict) -> str:
+    mt, t = res["meta"], res["target"]
+    lines = [f"# Steps against this machine's roofline ({mt['date']}, {mt['cpu']}, {mt['threads']} threads)", "",
+             f"`{mt['command']}`. Engine {mt['engine']} (rowlinear: {mt['rowlinear_isa']}), bf16, context "
+             f"{mt['context']} tokens. Measured: streaming read {mt['bandwidth_gb_s']:.1f} GB/s; GEMM "
+             + ", ".join(f"{k} {v:.1f}" for k, v in mt["gemm_gflop_s"].items()) + " GFLOP/s (peak: the faster). "
+             f"The target reads {mt['weight_bytes'] / 1e6:.1f} MB of weights per step.", "",
+             "Target step (forward + LM head over every new token): ms, and roofline / measured.", "",
+             "| rows \\ new tokens per row | " + " | ".join(map(str, WIDTHS)) + " |",
+             "|---|" + "---|" * len(WIDTHS)]
+    for r in ROWS:
+        lines.append(f"| {r} | " + " | ".join(f"{t[f'{r}x{w}']['ms']:.1f} ({t[f'{r}x{w}']['fraction']:.0%})"
+                                               for w in WIDTHS) + " |")
+    d = res["drafter"]
+    lines += ["", "Drafting step (the bundled drafter, one block per row): ms, and roofline / measured.", "",
+              "| rows | " + " | ".join(map(str, ROWS)) + " |", "|---|" + "---|" * len(ROWS),
+              "| ms (fraction) | " + " | ".join(f"{d[str(r)]['ms']:.1f} ({d[str(r)]['fraction']:.0%})" for r in ROWS)
+              + " |", "", f"A 4-token verify costs **{res['verify4_over_step1']:.2f}x** a one-token step; a drafting "
+              f"step at one row **{res['draft1_over_step1']:.2f}x**."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: Path, res: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for r in ROWS:
+        ax[0].plot(WIDTHS, [res["target"][f"{r}x{w}"]["fraction"] for w in WIDTHS], "o-", label=f"{r} rows")
+        ax[1].plot(WIDTHS, [res["target"][f"{r}x{w}"]["ms"] / res["target"]["1x1"]["ms"] for w in WIDTHS], "o-",
+                   label=f"{r} rows")
+    ax[0].axhline(0.5, color="grey", ls="--", lw=1)
+    ax[0].set(xscale="log", xlabel="new tokens per row", ylabel="roofline / measured", title="target step")
+    ax[1].set(xscale="log", yscale="log", xlabel="new tokens per row", ylabel="x a one-token step at one row",
+              title="target step cost")
+    ax[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
