@@ -5,9 +5,11 @@ users run. That holds by construction when a token's logits have the same bits w
 or verified inside a block (or a tree, or a batch of ragged rows). Hugging Face's eager modules do not give that in
 bfloat16 (their SDPA kernel changes its reduction with the query count). This forward is built only from kernels
 that are row-wise on the CPUs we run on:
-- linears as 2-D `F.linear` over flattened rows (each output row depends on its input row only);
-- attention as two matmuls (q.K^T and p.V, each output row a function of its own query row) around an fp32
-  row softmax, with grouped-query heads folded into rows (no `repeat_kv` copies);
+- on x86 (the default, `loader.apply_kernels`): dflashkit's C++ kernels (`kernels/`): `RowLinear` linears (bf16
+  weights or a GGUF's 4/8-bit codes), `attend` (the attention in one call per layer), and for Llama-style models
+  the layer stack (every decoder layer in one call); each output element summed in one fixed order;
+- elsewhere (`kernel="torch"`): linears as 2-D `F.linear` over flattened rows, attention as two matmuls (q.K^T and
+  p.V) around an fp32 row softmax with grouped-query heads folded into rows;
 - the model's own row-wise norms, activations and a precomputed RoPE table indexed by position.
 Whether the kernels really are row-invariant on a given CPU and torch build is a property, not a law: `self_check`
 measures it at load time (`batch_invariant`), and the bench labels outputs accordingly.
