@@ -52,6 +52,13 @@ def seed_key(seed: int) -> np.uint64:
         return _mix(np.array([seed % 2 ** 64], dtype=np.uint64))[0]
 
 
+def check_seed(sd) -> None:
+    """Raise DFlashError unless `sd` is None or an integer in [SEED_MIN, SEED_MAX]."""
+    if sd is not None and (not isinstance(sd, int) or isinstance(sd, bool) or not SEED_MIN <= sd <= SEED_MAX):
+        raise DFlashError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (got {sd}); omit it for a "
+                          "random draw.")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -67,10 +74,7 @@ class SamplingParams:
             raise DFlashError(f"top_p must be in (0, 1] (got {p}); use 1 to disable nucleus sampling.")
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP_K:
             raise DFlashError(f"top_k must be an integer in [0, {MAX_TOP_K}] (got {k}); use 0 to disable top-k.")
-        sd = self.seed
-        if sd is not None and (not isinstance(sd, int) or isinstance(sd, bool) or not SEED_MIN <= sd <= SEED_MAX):
-            raise DFlashError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (got {sd}); omit it for a "
-                              "random draw.")
+        check_seed(self.seed)
 
     @property
     def greedy(self) -> bool:
@@ -84,8 +88,7 @@ class Sampler:
         self.params = list(params)
         self.device = device
         for p in self.params:  # checked here too: a request forced past validation fails alone, at admission
-            if p.seed is not None and not (isinstance(p.seed, int) and SEED_MIN <= p.seed <= SEED_MAX):
-                raise DFlashError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (got {p.seed!r})")
+            check_seed(p.seed)
         # A sampled row without a seed draws one from torch's generator (torch.manual_seed makes a run repeatable).
         free = [p.seed is None and not p.greedy for p in self.params]
         drawn = iter(torch.randint(0, 2 ** 62, (sum(free),)).tolist())
@@ -96,7 +99,6 @@ class Sampler:
     def _refresh(self):
         ps = self.params
         self.all_greedy = all(p.greedy for p in ps)
-        self.greedy = torch.tensor([p.greedy for p in ps], device=self.device)
         # Floored at 1e-30: a positive temperature that float32 would round to 0 must not divide 0 by 0.
         self.temperature = torch.tensor([max(p.temperature, 1e-30) if not p.greedy else 1.0 for p in ps],
                                         device=self.device)
