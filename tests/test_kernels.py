@@ -357,3 +357,29 @@ def test_the_drafter_runs_on_the_layer_stack_beside_a_stacked_target(arch):
     prompts = [[5, 9, 11, 3], [7, 7, 1, 30, 31, 2, 8]]
     ar = eng.generate(prompts, max_new_tokens=32, config=DecodeConfig.autoregressive())
     assert [x.tokens for x in eng.generate(prompts, max_new_tokens=32)] == [x.tokens for x in ar]
+
+
+def test_one_kernel_plan_is_chosen_applied_and_keys_the_measurements(tmp_path):
+    """`kernel_plan.choose` decides once; `apply` puts it on the target, whose `kernel_plan` then reads the same;
+    the engine puts it on the drafter (its linears our kernel, its layers stacked with a stacked target); the plan's
+    identity (with our sources) is the self-check's and the cost model's key."""
+    from dflashkit import kernel_plan
+    from dflashkit.engine import DFlashEngine
+    from dflashkit.measurements import engine_identity
+
+    t = make_target("llama", torch.bfloat16, backend="lean")
+    plan = kernel_plan.choose(t, None)
+    assert plan.linear == "rowlinear" and plan.attention == "attend" and plan.stack and not plan.codes
+    assert kernel_plan.apply(plan, t, None, tmp_path) == plan == t.kernel_plan
+    assert engine_identity(t).endswith(f"rowlinear.{plan.isa}+attend+layers/kernels-{plan.sources}") and plan.isa
+    from dflashkit import DFlashConfig, DFlashDrafter
+
+    cfg = DFlashConfig(hidden_size=t.hidden_size, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, intermediate_size=64, vocab_size=t.vocab_size, num_target_layers=t.num_layers,
+                       mask_token_id=3, block_size=8, target_layer_ids=[1, 3], rope_theta=10000.0)
+    eng = DFlashEngine(t, DFlashDrafter(cfg).init_weights(1, std=0.3).to(torch.bfloat16), eos_token_ids=[])
+    assert eng.drafter.stack is not None and eng.drafter_proposer(eng.config).stack is not None
+    hf = make_target("llama", torch.bfloat16)
+    assert kernel_plan.choose(hf, None) == kernel_plan.TORCH and engine_identity(hf) == "HFTarget:torch"
+    with pytest.raises(DFlashError, match="not a GGUF target"):
+        kernel_plan.choose(make_target("llama", torch.bfloat16, backend="lean"), None, quant="int4")

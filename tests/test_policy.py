@@ -10,8 +10,9 @@ import torch
 from conftest import make_drafter, make_target
 from dflashkit import DecodeConfig, DFlashEngine, DFlashError
 from dflashkit.lookup import LookupParams
-from dflashkit.batch import SeqState
-from dflashkit.policy import ANCHOR, PLAIN_MAX, PROBE_BUDGET, Acceptance, AdaptivePolicy, _row_factor, best_cut
+from dflashkit.lookup import LookupProposal
+from dflashkit.policy import ANCHOR, Acceptance, AdaptivePolicy, RowHistory, StepView, best_cut
+from dflashkit.policy.probes import PLAIN_MAX, PROBE_BUDGET
 from dflashkit.step_cost import DRAFT_GRID, VERIFY_GRID, CostModel, load_or_calibrate
 from dflashkit.tree import accept, build, prune, topk_tree
 from test_engine import PROMPTS, check_caches_while_decoding, reference_runs, with_oracle
@@ -33,23 +34,23 @@ ADAPTIVE = DecodeConfig(block_size=8, tree=6, lookup=LookupParams(max_tokens=4),
 # ---- the cut ------------------------------------------------------------------------------------------------
 def test_best_cut_is_plain_ar_when_no_node_pays():
     v = np.array([[ANCHOR, 0.3, 0.2], [ANCHOR, 0.1, -np.inf]])
-    lam, width, gain, rate, _ = best_cut(v, 2, lambda w: 10.0 * w)  # each extra column costs a full pass
-    assert (lam, width, gain) == (math.inf, 1, 0.0) and rate == pytest.approx(2 / 10)
+    c = best_cut(v, 2, lambda w: 10.0 * w)  # each extra column costs a full pass
+    assert (c.threshold, c.width, c.gain) == (math.inf, 1, 0.0) and c.rate == pytest.approx(2 / 10)
 
 
 def test_best_cut_keeps_what_pays_and_counts_the_widest_row():
     v = np.array([[ANCHOR, 0.9, 0.8, 0.05], [ANCHOR, 0.7, -np.inf, -np.inf]])
-    lam, width, gain, _, _ = best_cut(v, 2, lambda w: 10.0 + 1.0 * w)  # a column costs 1/11 of a pass
-    assert lam == pytest.approx(0.7) and width == 3 and gain == pytest.approx(0.9 + 0.8 + 0.7)
-    lam, width, _, _, _ = best_cut(v, 2, lambda w: 10.0)  # free columns: every node that can be verified
-    assert lam == pytest.approx(0.05) and width == 4
+    c = best_cut(v, 2, lambda w: 10.0 + 1.0 * w)  # a column costs 1/11 of a pass
+    assert c.threshold == pytest.approx(0.7) and c.width == 3 and c.gain == pytest.approx(0.9 + 0.8 + 0.7)
+    c = best_cut(v, 2, lambda w: 10.0)  # free columns: every node that can be verified
+    assert c.threshold == pytest.approx(0.05) and c.width == 4
 
 
 def test_best_cut_margin_weighs_the_extra_time_not_the_total():
     v = np.array([[ANCHOR, 0.5]])
-    assert best_cut(v, 1, lambda w: 10.0 + 4.0 * (w - 1))[1] == 2  # 1.5 tokens / 14 ms beats 1 / 10 ms
-    assert best_cut(v, 1, lambda w: 10.0 + 4.0 * (w - 1), margin=1.5)[1] == 1  # not by enough for 1.5x the extra
-    assert best_cut(v, 1, lambda w: 10.0 + 0.001 * (w - 1), margin=1.5)[1] == 2  # nearly free: still taken
+    assert best_cut(v, 1, lambda w: 10.0 + 4.0 * (w - 1)).width == 2  # 1.5 tokens / 14 ms beats 1 / 10 ms
+    assert best_cut(v, 1, lambda w: 10.0 + 4.0 * (w - 1), margin=1.5).width == 1  # not by enough for 1.5x the extra
+    assert best_cut(v, 1, lambda w: 10.0 + 0.001 * (w - 1), margin=1.5).width == 2  # nearly free: still taken
 
 
 def test_cost_model_interpolates_extrapolates_and_learns():
@@ -211,12 +212,14 @@ def test_policy_is_validated():
     assert DecodeConfig.recommended().policy == "adaptive" and DecodeConfig().policy == "fixed"
 
 
-class _Batch:
-    """What `AdaptivePolicy.wants_drafter` reads of a batch: rows, their positions, the drafter's pending state."""
-
-    def __init__(self, rows: int, ctx: int):
-        self.seqs = [SeqState(i, [1, 2], 32, None) for i in range(rows)]
-        self.starts, self.dstate = [ctx] * rows, None
+def view(rows: int, ctx: int, props: list | None = None, matched: list | None = None, drafter: bool = True):
+    """A StepView of `rows` live rows at context `ctx` whose lookup proposes `props` (matched suffix lengths
+    `matched`; default: nothing) and whose drafter has one pending feature per row."""
+    props = props or [[]] * rows
+    k = max(len(p) for p in props)
+    branch = torch.tensor([p + [0] * (k - len(p)) for p in props], dtype=torch.long).reshape(rows, k)
+    lk = LookupProposal(branch, torch.tensor([len(p) for p in props]), matched or [0] * rows, props, False)
+    return StepView([True] * rows, list(range(rows)), ctx, rows, drafter, lambda: lk)
 
 
 def test_probes_of_a_drafter_that_never_pays_fit_the_budget():
@@ -224,46 +227,43 @@ def test_probes_of_a_drafter_that_never_pays_fit_the_budget():
     pay must cost at most PROBE_BUDGET of the plain steps' time, plus the one first probe (the old rule, which
     counted the drafter only and probed every 64 steps at most, spent ~6x more here)."""
     c = CostModel([100.0 + 2.0 * n for n in VERIFY_GRID], 0.0, [50.0, 200.0, 500.0], learn=False)
-    pol, batch, probes, spent = AdaptivePolicy(c), _Batch(16, 100), 0, 0.0
+    pol, probes, spent = AdaptivePolicy(c), 0, 0.0
     base = c.verify(16, 101)
     for _ in range(2000):
-        if pol.wants_drafter(batch, [[]] * 16, [0] * 16):
+        plan = pol.plan(view(16, 100))
+        if plan.draft:
             probes += 1
+            assert plan.record.probe
             spent += c.draft(16, 100, 16) + c.verify(16 * 4, 104) - base
-            pol._learn_drafting(0.0, 1, False, 16)  # it did not pay
+            pol.probes.learn(0.0, 1, False, 16)  # it did not pay
     assert 1 <= probes and spent <= c.draft(16, 100, 16) + c.verify(64, 104) + PROBE_BUDGET * 2000 * base
     assert probes <= 4  # the budget halves per unpaid probe: probing fades out
     one = AdaptivePolicy(c)  # a single row, where drafting is cheap, still gets its own first probe
-    assert any(one.wants_drafter(_Batch(1, 100), [[]], [0]) for _ in range(8))
+    assert any(one.plan(view(1, 100)).draft for _ in range(8))
 
 
 def test_a_row_whose_drafts_fail_is_predicted_lower():
-    s = SeqState(0, [1], 8, None)
-    assert _row_factor(s) == 1.0  # no history: the table as it is
-    s.draft_pred, s.draft_hit = 10.0, 1.0  # predicted 10 accepted nodes, saw 1
-    low = _row_factor(s)
-    s.draft_pred, s.draft_hit = 4.0, 6.0
-    assert 0.25 <= low < 0.5 and _row_factor(s) == 1.0  # a row doing better than predicted is not boosted
+    h = RowHistory()
+    assert h.factor() == 1.0  # no history: the table as it is
+    h.observe(10.0, 1)  # predicted 10 accepted nodes, saw 1
+    low = h.factor()
+    h.predicted, h.hit = 4.0, 6.0
+    assert 0.25 <= low < 0.5 and h.factor() == 1.0  # a row doing better than predicted is not boosted
 
 
 def test_looking_stops_where_it_never_pays_and_resumes_where_it_does():
     """A look (lookup + cut) costs host time. Where every look chooses the AR step, the policy takes plain steps
     between looks (runs of 1, 2, 4, then PLAIN_MAX); a look whose lookup pays ends the run at once."""
     c = CostModel([10.0 + 0.5 * n for n in VERIFY_GRID], 0.0, [5.0, 8.0, 20.0], learn=False)
-    pol, batch = AdaptivePolicy(c), _Batch(4, 100)
-    looked = []
-    for _ in range(200):
-        look = pol.looks(batch)
-        looked.append(look)
-        if look:
-            pol.choose_lookup(batch, [[]] * 4, [0] * 4)  # nothing to copy: the AR step, worth 0
+    ticks = iter(range(10 ** 6))
+    pol = AdaptivePolicy(c, clock=lambda: next(ticks) / 1000)  # every look costs 1 ms of host time
+    looked = [pol.plan(view(4, 100, drafter=False)).look for _ in range(200)]  # nothing to copy: worth 0
     gaps = np.diff(np.flatnonzero(looked)) - 1  # plain steps between looks
     assert gaps[:4].tolist() == [1, 2, 4, PLAIN_MAX] and set(gaps[4:].tolist()) == {PLAIN_MAX}
-    assert pol.skipped >= 170  # plain steps count toward the drafter's probe
-    while not pol.looks(batch):
-        pass
-    pol.choose_lookup(batch, [[5] * 8] * 4, [4] * 4)  # a long match: verifying it is worth far more than a look
-    assert pol.plain_left == 0 and all(pol.looks(batch) for _ in range(3))
+    assert pol.probes.skipped >= 170  # plain steps count toward the drafter's probe
+    while not pol.plan(view(4, 100, [[5] * 8] * 4, [4] * 4, drafter=False)).look:
+        pass  # a long match: verifying it is worth far more than a look
+    assert pol.looks.plain_left == 0 and all(pol.plan(view(4, 100, drafter=False)).look for _ in range(3))
 
 
 def test_plain_steps_keep_greedy_output_and_caches_exact(arch):
@@ -276,7 +276,7 @@ def test_plain_steps_keep_greedy_output_and_caches_exact(arch):
     ar, ref = reference_runs(eng, PROMPTS, 30)
     with_oracle(eng, ref, keep=0.7)
     pol = eng.policy(eng.resolve(config))
-    pol.look_value, pol.look_ms = 0.0, 1e9
+    pol.looks.value, pol.looks.ms = 0.0, 1e9
     checked, steps = check_caches_while_decoding(eng, t, dr, PROMPTS, 30)
     tokens = [[] for _ in PROMPTS]
     for step in steps:
@@ -288,20 +288,19 @@ def test_plain_steps_keep_greedy_output_and_caches_exact(arch):
 
 
 def test_the_cost_model_is_measured_again_when_the_kernels_change(monkeypatch):
-    """A cached cost model is keyed by the kernels' sources: an upgraded kernel keeps the engine's name, and priced
-    by its predecessor's times the policy would misjudge every step."""
-    from types import SimpleNamespace
-
+    """A cached cost model is keyed by the target's kernel plan and the kernels' sources: an upgraded kernel keeps
+    the plan's name, and priced by its predecessor's times the policy would misjudge every step."""
     from dflashkit import kernels
     from dflashkit.step_cost import cost_key
 
-    t = SimpleNamespace(engine_name="LeanTarget+rowlinear", kernel="rowlinear", architecture="llama", hidden_size=64,
-                        num_layers=2, vocab_size=100, dtype=torch.bfloat16, device=torch.device("cpu"))
+    if not kernels.available():
+        pytest.skip(f"our kernels are unavailable: {kernels.why_unavailable()}")
+    t = make_target("llama", torch.bfloat16, backend="lean")
+    torch_key = cost_key(t, None)
+    t.use_rowlinear()
     before = cost_key(t, None)
-    assert cost_key(t, None) == before  # stable for the same sources
+    assert before != torch_key and cost_key(t, None) == before  # another plan; stable for the same sources
     monkeypatch.setitem(kernels._state, "source_id", "0123456789ab")
     assert cost_key(t, None) != before
-    t.kernel = "torch"  # torch's kernels: our sources do not set the costs
-    torch_key = cost_key(t, None)
-    monkeypatch.setitem(kernels._state, "source_id", "ba9876543210")
-    assert cost_key(t, None) == torch_key
+    # torch's kernels: our sources do not set the costs
+    assert cost_key(make_target("llama", torch.bfloat16, backend="lean"), None) == torch_key

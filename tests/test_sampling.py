@@ -247,8 +247,8 @@ def test_speculative_sampling_with_the_adaptive_policy_matches_target_distributi
     eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3), eos_token_ids=[], cost=cost,
                        config=DecodeConfig(tree=6, lookup=LookupParams(max_tokens=3), policy="adaptive"))
     # the fixed model's "ms" are not wall ms: a look's real host time (thousands of rows here) must not be weighed
-    # against them (`AdaptivePolicy.looks`; its own tests are in test_policy.py)
-    eng.policy(eng.resolve(eng.config)).may_skip_looks = False
+    # against them (`probes.Looks`; its own tests are in test_policy.py): a clock that stands still
+    eng.policy(eng.resolve(eng.config)).clock = lambda: 0.0
     greedy_oracle(eng, t)
     use_lookup_oracle(eng, t, 3)
     assert_sampling_matches_target(eng, t, SamplingParams(temperature=1.0), seed=1357)
@@ -257,7 +257,7 @@ def test_speculative_sampling_with_the_adaptive_policy_matches_target_distributi
 
 
 def test_speculative_sampling_with_plain_steps_between_looks_matches_target_distribution():
-    """Looks priced far above their worth: runs of plain steps between looks (`AdaptivePolicy.looks`) mix with
+    """Looks priced far above their worth: runs of plain steps between looks (`probes.Looks`) mix with
     drafted and lookup steps; the distribution is still the target's."""
     from dflashkit.lookup import LookupParams
     from dflashkit.step_cost import DRAFT_GRID, VERIFY_GRID, CostModel
@@ -267,7 +267,7 @@ def test_speculative_sampling_with_plain_steps_between_looks_matches_target_dist
     eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3), eos_token_ids=[], cost=cost,
                        config=DecodeConfig(tree=6, lookup=LookupParams(max_tokens=3), policy="adaptive"))
     pol = eng.policy(eng.resolve(eng.config))
-    pol.look_value, pol.look_ms = 0.0, 1e9
+    pol.looks.value, pol.looks.ms = 0.0, 1e9
     greedy_oracle(eng, t)
     use_lookup_oracle(eng, t, 3)
     assert_sampling_matches_target(eng, t, SamplingParams(temperature=1.0), seed=97531)

@@ -105,10 +105,14 @@ def test_a_row_that_fails_inside_a_step_fails_alone(server):
 
     from dflashkit.server import build_app, serve_in_thread
 
-    # Why: a plain step between looks (`AdaptivePolicy.looks`) does not ask the lookup, and the server's recovery
-    # re-runs the rows; the injected failure must fire on every step for the test to say which row it hits.
+    # Why: a plain step between looks (`probes.Looks`) does not ask the lookup, and the server's recovery re-runs
+    # the rows; the injected failure must fire on every step for the test to say which row it hits: a clock that
+    # stands still makes every look free (with fresh look records), so every step looks.
+    from dflashkit.policy.probes import Looks
+
     pol = eng.policy(eng.config)
-    pol.may_skip_looks, pol.plain_left = False, 0
+    saved = pol.clock, pol.looks
+    pol.clock, pol.looks = (lambda: 0.0), Looks()
     eng.set_proposers(lookup=Failing)  # a second app on the same engine: its batch is built with the failing one
     srv, th, url = serve_in_thread(build_app(eng, server["tok"], "smollm2-test", max_len=1024))
     try:
@@ -123,7 +127,7 @@ def test_a_row_that_fails_inside_a_step_fails_alone(server):
         srv.should_exit = True
         th.join(30)
         eng.set_proposers(lookup=LookupProposer)
-        pol.may_skip_looks = True
+        pol.clock, pol.looks = saved
     assert status == 500 and "injected failure" in payload["error"]["message"]
     for p, (s, body) in zip(PROMPTS[:3], got):
         assert s == 200 and body["choices"][0]["message"]["content"] == alone_text(server, p, 16)

@@ -109,3 +109,17 @@ def test_no_import_circles():
         return any(n == b or (n not in seen and not seen.add(n) and reaches(n, b, seen)) for n in graph[a])
     circles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if reaches(b, a, set()))
     assert not circles, "\n".join(circles)
+
+
+def test_the_batch_calls_the_policy_through_three_calls_only():
+    """The step policy's seam (`policy/step.py`): DecodeBatch asks `plan`, `cut` and `observe`, hands it a
+    StepView / StepOutcome (never itself), and the policy's modules never import the batch."""
+    tree = ast.parse((SRC / "batch.py").read_text())
+    used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute) and node.value.attr == "policy"}
+    assert used == {"plan", "cut", "observe"}
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in used:
+            assert not any(isinstance(a, ast.Name) and a.id == "self" for a in call.args), ast.unparse(call)
+    graph = module_imports()
+    assert not any("dflashkit.batch" in graph[m] for m in graph if m.startswith("dflashkit.policy"))

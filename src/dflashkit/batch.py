@@ -18,6 +18,7 @@ it; the server keeps one open and lets requests come and go (continuous batching
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -26,12 +27,14 @@ import torch
 
 from .errors import DFlashError
 from .lookup import SuffixIndex
-from .policy import FixedPolicy
+from .policy import FixedPolicy, Plan, StepOutcome, StepView
 from .prefill import PromptPrefill, prefill_context, prefill_groups
 from .proposers import DraftView, DrafterProposer, LookupProposer
 from .sampling import Sampler, SamplingParams
 from .stats import GenerationStats
-from .tree import accept, build, source_counts, verify_mask
+from .tree import DraftTree, accept, build, prune, source_counts, verify_mask
+
+_keys = itertools.count()  # `SeqState.key`: unique in the process
 
 
 @dataclass
@@ -68,8 +71,7 @@ class SeqState:
     t_first: float = 0.0
     logprobs_k: int | None = None  # None: no log-probabilities; k: each token's, plus the k most likely
     logprobs: list = field(default_factory=list)  # per generated token: (logprob, [(id, logprob)] * k)
-    draft_pred: float = 0.0  # the step policy's decayed sums of this row's predicted and observed acceptance
-    draft_hit: float = 0.0
+    key: int = field(default_factory=lambda: next(_keys))  # the sequence's identity for the step policy's records
     _history: np.ndarray | None = field(default=None, repr=False)  # `history`'s buffer (capacity >= its length)
     _history_len: int = field(default=0, repr=False)
     _suffixes: SuffixIndex | None = field(default=None, repr=False)  # the lookup's n-gram index of `history`
@@ -320,7 +322,7 @@ class DecodeBatch:
             return []
         t0 = time.perf_counter()
         live = [not s.finished for s in self.seqs]
-        tree = self._propose()
+        plan, tree = self._propose(live)
         # Verify: node i sits in slot start + i at position start + depth(i) (RoPE), sees its ancestors only.
         W, dev = tree.width, self.target.device
         kv_len = max(self.starts) + W
@@ -331,35 +333,42 @@ class DecodeBatch:
         logits = self.target.logits(hidden)  # [b, W, V]
         # [b, W] the target's own token after each node: node i's choice is the token at position start + depth + 1
         choices = self.sampler(logits, [s + 1 for s in self.starts], tree.depth, tree.max_depth)
-        out, host = self._commit(tree, logits, choices, feats)
-        self.policy.observe(self, [row if ok else None for row, ok in zip(host, live)], self.span,
-                            1000 * (time.perf_counter() - t0))
+        out, outcome = self._commit(tree, logits, choices, feats, live)
+        outcome.ms = 1000 * (time.perf_counter() - t0)
+        self.policy.observe(plan, outcome)
         return out
 
-    def _propose(self):
-        """The step's draft tree: the lookup branch merged into the drafter's chain or tree (either may be empty),
-        cut to what the policy finds worth verifying. A step that skips the drafter leaves its pending features
-        for its next forward (`DraftState`)."""
-        pol = self.policy
-        if not pol.looks(self):  # a plain AR step, decided before any host work: the anchor alone
-            none = self.anchor[:, None][:, :0]
-            return build(self.anchor, None, none, none.sum(1))
-        branch, branch_len, matched, props = self.lookup.propose(self.seqs, self.target.device)
+    def _propose(self, live: list[bool]) -> tuple[Plan, DraftTree]:
+        """The step's plan and draft tree: the lookup branch merged into the drafter's chain or tree (either may be
+        empty), cut to what the policy finds worth verifying. A step that skips the drafter leaves its pending
+        features for its next forward (`DraftState`)."""
+        ctx = max(self.starts)
+        view = StepView(live, [s.key for s in self.seqs], ctx,
+                        self.dstate.pending(ctx) if self.dstate is not None else len(self.seqs),
+                        self.drafter is not None, lambda: self.lookup.propose(self.seqs, self.target.device))
+        plan = self.policy.plan(view)
+        if not plan.look:  # a plain AR step, decided before any host work: the anchor alone
+            branch = self.anchor[:, None][:, :0]
+            length = branch.sum(1)
+        else:
+            lk = view.lookup()
+            branch, length = lk.branch, lk.length
         draft = None
-        if (self.drafter is not None and not self.lookup.skips_drafter(matched, self.seqs)
-                and pol.wants_drafter(self, props, matched)):
-            view = DraftView(self.anchor, self.start, max(self.starts), self.seqs, self.starts)
-            draft = self.drafter.propose(self.dstate, view, scores=pol.adaptive)
-        if draft is None:  # the policy cuts each row's lookup branch first: a plain step builds the anchor alone
-            keep = pol.choose_lookup(self, props, matched)
-            if keep is not None:
-                branch = branch[:, :max(keep, default=0)]
-                branch_len = torch.minimum(branch_len, torch.tensor(keep, device=branch_len.device))
-            return build(self.anchor, None, branch, branch_len)
-        return pol.choose(self, build(self.anchor, draft, branch, branch_len), draft, props, matched)
+        if plan.draft:
+            draft = self.drafter.propose(self.dstate, DraftView(self.anchor, self.start, ctx, self.seqs, self.starts),
+                                         scores=plan.scores)
+        if plan.lookup_keep is not None:  # the policy cut each row's lookup branch before the tree is built
+            branch = branch[:, :max(plan.lookup_keep, default=0)]
+            length = torch.minimum(length, torch.tensor(plan.lookup_keep, device=length.device))
+        tree = build(self.anchor, draft, branch, length)
+        if draft is not None:
+            cut = self.policy.cut(plan, tree)
+            if cut is not None:
+                tree = prune(tree, cut.keep, cut.width, cut.depth)
+        return plan, tree
 
-    def _commit(self, tree, logits: torch.Tensor, choices: torch.Tensor,
-                feats: torch.Tensor | None) -> tuple[list[StepOutput], list]:
+    def _commit(self, tree: DraftTree, logits: torch.Tensor, choices: torch.Tensor, feats: torch.Tensor | None,
+                live: list[bool]) -> tuple[list[StepOutput], StepOutcome]:
         """Accept, roll back and commit: the one place where a step's outcome changes the batch's state.
 
         Every committed token is the target's own choice given exactly the committed prefix (`tree.accept`), so
@@ -406,7 +415,9 @@ class DecodeBatch:
             s.stats.count_drafts(*row[2 * R + 1: 2 * R + 5])
             out.append(s.commit(row[: a_i + 1], self.eos_ids, self.tokenizer, lps[i][: a_i + 1] if lps else None))
             s.stats.decode_s = now - s.t_first
-        return out, host
+        outcome = StepOutcome(tokens=[row[:R] for row in host], accepted=[int(row[R]) for row in host],
+                              path=[row[R + 1: 2 * R + 1] for row in host], live=live, ms=0.0)
+        return out, outcome
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[SeqState],

@@ -23,6 +23,7 @@ from .decode_config import DecodeConfig
 from .drafter import DFlashDrafter
 from .errors import DFlashError
 from .measurements import cache_dir
+from .kernel_plan import apply_to_drafter, plan_of
 from .policy import AdaptivePolicy, FixedPolicy
 from .step_cost import CostModel, load_or_calibrate
 from .proposers import DrafterProposer, LookupProposer, check_compatible
@@ -58,13 +59,7 @@ class DFlashEngine:
             check_compatible(drafter, target)
             target.set_taps(drafter.config.target_layer_ids)
             drafter.to(device=target.device, dtype=target.dtype).eval()
-            if getattr(target, "kernel", "torch") != "torch":  # the target runs our kernels: so does the drafter
-                from .drafter import layer_stack
-                from .kernels import use_rowlinear_in
-
-                use_rowlinear_in(drafter)
-                if getattr(target, "stack", None) is not None:  # and its layers too, as one C++ call
-                    drafter.stack = layer_stack(drafter)
+            apply_to_drafter(plan_of(target), drafter)  # the drafter runs the target's kernels
         self._proposers: dict[tuple, DrafterProposer] = {}
         self.drafter_factory, self.lookup_factory = DrafterProposer, LookupProposer
         self.config = self.resolve(config if config is not None else DecodeConfig.recommended())

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from .kernels import engine_identity
-from .measurements import lookup, machine_key, store
+from .kernel_plan import plan_of
+from .measurements import engine_identity, lookup, machine_key, store
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def check(target, identity: str, cache_file: str | os.PathLike | None = None) ->
         inv = Invariance(**stored)
     else:
         inv = measure(target)
-        if not inv.exact and getattr(target, "kernel", None) == "torch" and hasattr(target, "linear_weights"):
+        if not inv.exact and not plan_of(target).ours and hasattr(target, "linear_weights"):
             inv.cause = linear_row_change(target.linear_weights()) or ""
         store(cache_file, key, asdict(inv))
     target.batch_invariant, target.invariance_cause = inv.exact, inv.cause

@@ -22,6 +22,8 @@ from .config import DFlashConfig
 from .drafter import DFlashDrafter
 from .errors import DFlashError
 from .backends.hf import HFTarget
+from . import kernel_plan
+from .kernel_plan import KernelPlan
 from .measurements import cache_dir
 
 log = logging.getLogger(__name__)
@@ -218,88 +220,14 @@ def check_exactness(target, target_dir: Path):
     return check(target, f"{target_dir.resolve()}:{digest}", cache_dir() / "invariance.json")
 
 
-KERNELS = ("auto", "torch", "rowlinear")
-QUANTS = ("none", "int4", "int4-a8")  # int4-a8: the same codes, 8-bit activations (integer dot products)
-
-
-def _check_kernels(backend: str, kernel: str, quant: str | None) -> None:
-    if kernel not in KERNELS:
-        raise DFlashError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}.")
-    if (quant or "none") not in QUANTS:
-        raise DFlashError(f"unknown quantisation {quant!r}; choose one of {', '.join(QUANTS)}.")
-    if (kernel == "rowlinear" or quant not in (None, "none")) and backend == "hf":
-        raise DFlashError("--kernel rowlinear and --quant int4 run on the lean backend; drop --backend hf.")
-
-
-def auto_kernel(target) -> str:
-    """`auto`: our rowlinear kernel for a bf16 lean target on a CPU wherever it is available, torch's F.linear
-    elsewhere. Why not torch's bf16 GEMM on CPUs with bf16 units: measured on an AMD EPYC with AVX512-BF16 (no AMX),
-    oneDNN picks kernels by the row count (SmolLM2's down projection gives a row other bits from 3-6 rows on), so
-    verified tokens could part from AR at rounding ties; and our kernel was also faster there (AR 33.5 vs 17.9 tok/s,
-    one prompt, 2 threads). Exactness first: `--kernel torch` stays available, labelled by the self-check."""
-    from .backends.lean import LeanTarget
-    from .kernels import available
-
-    if (isinstance(target, LeanTarget) and target.dtype == torch.bfloat16 and str(target.device) == "cpu"
-            and available()):
-        return "rowlinear"
-    return "torch"
-
-
-def apply_kernels(target, target_dir: Path, kernel: str = "auto", quant: str | None = None) -> None:
-    """Our row-invariant kernels for the lean target: linears `rowlinear` (same bf16 weights) or `int4` (the GGUF's
-    own Q4_1/Q8_0 codes; a different target with its own AR baseline), and the fused attention with either;
-    `auto`: `auto_kernel`."""
-    from .backends.lean import LeanTarget
-
-    if kernel == "auto" and quant in (None, "none"):
-        kernel = auto_kernel(target)
-    if kernel == "torch" and quant in (None, "none"):
-        return
-    if not isinstance(target, LeanTarget):
-        raise DFlashError(f"--kernel/--quant need the lean backend, which does not implement "
-                          f"{target.architecture}; drop them.")
-    if quant in ("int4", "int4-a8"):
-        from .backends.quant import attach_gguf_codes
-
-        source = gguf_source(target_dir)
-        if source is None:
-            raise DFlashError(f"--quant int4 reads a GGUF's own 4-bit codes; {target_dir} is not a GGUF target. "
-                              "Give --target FILE.gguf (Q4_1), or drop --quant.")
-        attach_gguf_codes(target, source, int8_acts=quant == "int4-a8", cache_dir=target_dir)
-    elif kernel == "rowlinear":
-        target.use_rowlinear()
-        _read_weights_as_codes(target, target_dir)
-    # Our kernels come together: the attention too is one row-invariant C++ call per layer (bench/results/kernels:
-    # with it a 16-token verify costs ~1.8x a one-token step here, without it ~2.5x, with torch's kernels ~5x).
-    target.use_fused_attention()
-    # ... and a Llama-style target's layers run as one C++ call per forward (kernels/layers.cpp; bench/results/kernels,
-    # one-token step on the same kernels: 29.5 -> 22.7 ms in bf16, 19.6 -> 11.6 with int4-a8). Other architectures
-    # keep the per-op forward.
-    why = target.stack_unsupported()
-    if why:
-        log.info("layer stack not used: %s; the per-op forward runs the layers", why)
-    else:
-        target.use_layer_stack()
-
-
-def _read_weights_as_codes(target, target_dir: Path) -> None:
-    """A bf16 target converted from a Q4_1 GGUF (the default SmolLM2) on a CPU with AVX512-BF16: rowlinear decodes
-    the file's 4-bit codes to exactly the bf16 weights it loaded (checked for every tensor, bit for bit), so the
-    target reads its weights as codes: the same model and the same bits (the kernel's bf16 dot products run on the
-    same bf16 values), a third of the bytes per step. Measured (bench/results/kernels): one-token step 17.6 ->
-    10.7 ms, 16-token verify 49.7 -> 45.2. Elsewhere (an AVX2 CPU decodes codes to fp32, other bits; a target that
-    is not a GGUF) the bf16 weights stay."""
-    from .backends.quant import NotTheSameBits, attach_gguf_codes
-    from .kernels import isa
-
-    source = gguf_source(target_dir)
-    if isa() != "avx512bf16" or source is None or os.environ.get("DFLASHKIT_BF16_WEIGHTS"):
-        return
-    try:
-        attach_gguf_codes(target, source, same_bits=True, cache_dir=target_dir)
-    except (NotTheSameBits, OSError) as e:
-        log.info("bf16 weights kept (the GGUF's codes are not the same bits here: %s)", e)
+def apply_kernels(target, target_dir: Path, kernel: str = "auto", quant: str | None = None) -> KernelPlan:
+    """Choose the target's kernels once (`kernel_plan.choose`: --kernel / --quant, the CPU, the GGUF it came from)
+    and put them on it; returns the plan it runs."""
+    gguf = gguf_source(target_dir)
+    plan = kernel_plan.apply(kernel_plan.choose(target, None if gguf is None else Path(gguf), kernel, quant), target,
+                             None if gguf is None else Path(gguf), target_dir)
+    log.info("kernels: %s", plan.identity)
+    return plan
 
 
 def load_target(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32",
@@ -310,7 +238,7 @@ def load_target(path: str | os.PathLike | None = None, dtype: str | torch.dtype 
     from transformers import AutoModelForCausalLM
 
     _check_backend(backend)  # before the weights load
-    _check_kernels(backend, kernel, quant)
+    kernel_plan.check_names(backend, kernel, quant)
     target_dir = resolve_target_dir(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=parse_dtype(dtype), attn_implementation="sdpa")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from .errors import DFlashError
 
@@ -48,6 +49,17 @@ class LookupParams:
     @property
     def enabled(self) -> bool:
         return self.max_tokens > 0
+
+
+@dataclass
+class LookupProposal:
+    """One step's lookup branch for every row of a batch (`LookupProposer.propose`)."""
+
+    branch: torch.Tensor  # [b, k] proposed tokens, right-padded; k = the longest proposal
+    length: torch.Tensor  # [b] valid tokens per row
+    matched: list[int]  # per row: the length of the suffix that matched (0: no proposal)
+    tokens: list[list[int]]  # per row: the proposal on the host
+    skips_drafter: bool  # every live row matched a suffix of at least `skip_drafter_n`: verify the branch alone
 
 
 def propose(tokens: list[int] | np.ndarray, params: LookupParams) -> tuple[list[int], int]:

@@ -1,6 +1,6 @@
 """Measurements cached per machine: what they depend on (`machine_key`) and the JSON table they are kept in
 (`lookup`, `store`; written atomically, so a concurrent reader sees the old or the new table). The exactness
-self-check (`invariance.py`) and the step cost model (`policy.py`) are measured once per machine this way."""
+self-check (`invariance.py`) and the step cost model (`step_cost.py`) are measured once per machine this way."""
 
 from __future__ import annotations
 
@@ -60,3 +60,10 @@ def store(file: str | os.PathLike | None, key: str, value: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(table, f, indent=1)
     os.replace(tmp, file)
+
+
+def engine_identity(target) -> str:
+    """The backend and its kernel plan's identity (our kernels' sources included): the key of anything cached about
+    a forward's bits or speed (a changed kernel keeps the plan's name)."""
+    plan = getattr(target, "kernel_plan", None)  # `kernel_plan.KernelPlan`; a backend without one runs torch's
+    return f"{type(target).__name__}:{'torch' if plan is None else plan.identity}"

@@ -18,7 +18,8 @@ import torch
 from .cache import PositionCache
 from .drafter import DFlashDrafter, rope_cos_sin
 from .errors import DFlashError
-from .lookup import LookupParams, SuffixIndex, propose
+from .kernel_plan import plan_of
+from .lookup import LookupParams, LookupProposal, SuffixIndex, propose
 from .tree import DraftNodes, chain_nodes, topk_tree
 
 
@@ -151,7 +152,7 @@ class DrafterProposer:
         self._arange_q = torch.arange(block_size, device=target.device)
         # The drafter's layers in one C++ call (`drafter.layer_stack`), where the engine built it for a stacked
         # target; its draft cache then holds value rows of hd + 1 (the stack's layout) and B more slots.
-        self.stack = getattr(drafter, "stack", None) if getattr(target, "stack", None) is not None else None
+        self.stack = getattr(drafter, "stack", None) if plan_of(target).stack else None
 
     # ---- per-batch state ------------------------------------------------------------------------------------
     def prefill(self, feats: torch.Tensor, pos: torch.Tensor, last: torch.Tensor, max_len: int) -> DraftState:
@@ -262,9 +263,8 @@ class LookupProposer:
     def __init__(self, params: LookupParams):
         self.params = params
 
-    def propose(self, seqs: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int], list]:
-        """-> (branch [b, k] right-padded, its valid length per row [b], each row's matched suffix length, each
-        row's proposal as a host list). k is the longest proposal: the branch is never wider than it must be."""
+    def propose(self, seqs: list, device: torch.device) -> LookupProposal:
+        """Every row's proposal; the branch is never wider than the longest one."""
         on = self.params.enabled
         props = [self.suggest(s.history(), s.suffixes(self.params.max_n)) if on and not s.finished else ([], 0)
                  for s in seqs]
@@ -273,7 +273,9 @@ class LookupProposer:
         for i, (p, _) in enumerate(props):
             branch[i, :len(p)] = p
         lengths = torch.tensor([len(p) for p, _ in props], device=device)
-        return torch.from_numpy(branch).to(device), lengths, [n for _, n in props], [p for p, _ in props]
+        matched = [n for _, n in props]
+        return LookupProposal(torch.from_numpy(branch).to(device), lengths, matched, [p for p, _ in props],
+                              self.skips_drafter(matched, seqs))
 
     def suggest(self, tokens: np.ndarray, index: SuffixIndex | None = None) -> tuple[list[int], int]:
         """One row's (proposal, matched suffix length) for its committed tokens, through the row's n-gram index

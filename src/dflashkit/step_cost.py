@@ -15,8 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .kernels import engine_identity
-from .measurements import lookup, machine_key, store
+from .measurements import engine_identity, lookup, machine_key, store
 
 log = logging.getLogger(__name__)
 
@@ -227,15 +226,11 @@ def cost_key(target, proposer) -> str:
     d = proposer.drafter.config if proposer is not None else None
     draft = (d.num_hidden_layers, d.hidden_size, proposer.block_size, proposer.tree,
              None if proposer.d2t is None else len(proposer.d2t)) if d is not None else None
-    # The kernels set the costs; on our kernels the drafter runs them too (engine.py), "v2" since it does.
-    # Why the kernels' sources (engine_identity): a faster kernel keeps the engine's name; priced by its
-    # predecessor's times, the policy would misjudge every step (a 1-token step measured at 11.7 ms, now 8.5).
-    engine = engine_identity(target)
-    if getattr(target, "kernel", "torch") != "torch":
-        engine += "/drafter-rowlinear-v2"
-    if getattr(proposer, "stack", None) is not None:
-        engine += "/drafter-layers"
-    engine += "/draft-ctx"  # models calibrated before the drafter's context and ingest terms lack them
+    # The kernels set the costs (the drafter runs the target's, `kernel_plan.apply_to_drafter`). Why their sources
+    # too (in the plan's identity): a faster kernel keeps the plan's name; priced by its predecessor's times, the
+    # policy would misjudge every step (a 1-token step measured at 11.7 ms, now 8.5). "draft-ctx": models calibrated
+    # before the drafter's context and ingest terms lack them.
+    engine = engine_identity(target) + "/draft-ctx"
     return machine_key("step-cost", engine, target.architecture, target.hidden_size, target.num_layers,
                        target.vocab_size, target.dtype, target.device, draft)
 

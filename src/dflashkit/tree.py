@@ -48,6 +48,8 @@ class DraftTree:
     alive: torch.Tensor  # [b, W] bool: may be accepted (False for duplicates and padding)
     max_depth: int
     source: torch.Tensor | None = None  # [b, W] int8 SOURCE_*: who proposed each node (None: the anchor alone)
+    logp: torch.Tensor | None = None  # [b, W] float: a drafter node's path log-probability, -inf for the others
+    #                                   (None: the drafter gave none, `DraftNodes.logp`)
 
     @property
     def width(self) -> int:
@@ -161,7 +163,10 @@ def build(anchor: torch.Tensor, draft: DraftNodes | None, branch: torch.Tensor, 
                      max_depth=max(dmax, k),
                      source=torch.cat([torch.full((b, 1), SOURCE_ANCHOR, dtype=torch.int8, device=dev),
                                        torch.full((b, m), SOURCE_DRAFTER, dtype=torch.int8, device=dev),
-                                       torch.full((b, k), SOURCE_LOOKUP, dtype=torch.int8, device=dev)], 1))
+                                       torch.full((b, k), SOURCE_LOOKUP, dtype=torch.int8, device=dev)], 1),
+                     logp=None if draft.logp is None else torch.cat(
+                         [torch.full((b, 1), -math.inf, device=dev), draft.logp.float(),
+                          torch.full((b, k), -math.inf, device=dev)], 1))
 
 
 def prune(tree: DraftTree, keep: torch.Tensor, width: int, max_depth: int) -> DraftTree:
@@ -179,7 +184,8 @@ def prune(tree: DraftTree, keep: torch.Tensor, width: int, max_depth: int) -> Dr
     depth = torch.where(alive, tree.depth.gather(1, chosen), 1)  # padding: any depth <= max_depth will do
     return DraftTree(tokens=tree.tokens.gather(1, chosen), parent=torch.where(alive, parent, 0), depth=depth,
                      alive=alive & tree.alive.gather(1, chosen), max_depth=max(max_depth, 1 if width > 1 else 0),
-                     source=None if tree.source is None else tree.source.gather(1, chosen))
+                     source=None if tree.source is None else tree.source.gather(1, chosen),
+                     logp=None if tree.logp is None else tree.logp.gather(1, chosen))
 
 
 def ancestors(tree: DraftTree) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ..cache import PositionCache
 from ..errors import DFlashError
+from ..kernel_plan import KernelPlan
 from ..kernels import RowLinear, attend
 from .hf import HFTarget, architecture_of
 
@@ -156,16 +157,19 @@ class LeanTarget(HFTarget):
         self.stack = None  # all decoder layers as one C++ call per forward (kernels/layers.cpp), or None
 
     @property
-    def engine_name(self) -> str:
-        """What the exactness self-check's cache is keyed on: the backend AND its kernels."""
-        from ..kernels import isa
+    def kernel_plan(self) -> KernelPlan:
+        """The kernels this target runs (`kernel_plan.py`), as its state says."""
+        from ..kernels import isa, source_id
 
-        # rowlinear's bf16 path, and its 4-bit one (`int4`: decoded to bf16 on AVX512-BF16 CPUs, fp32 products on
-        # the 8-lane path), have one instruction sequence per CPU kind (their bits differ): name which ran. int4-a8
-        # computes the same bits on each of its paths (kernels/qlinear.cpp).
-        kernel = f"{self.kernel}.{isa()}" if self.kernel in ("rowlinear", "int4") else self.kernel
-        return (type(self).__name__ + ("" if kernel == "torch" else f"+{kernel}") + ("+codes" if self.codes else "")
-                + ("+attend" if self.fused_attention else "") + ("+layers" if self.stack is not None else ""))
+        ours = self.kernel != "torch" or self.fused_attention
+        return KernelPlan(linear=self.kernel, isa=isa() if ours else "", codes=self.codes,
+                          attention="attend" if self.fused_attention else "torch", stack=self.stack is not None,
+                          sources=source_id() if ours else "")
+
+    @property
+    def engine_name(self) -> str:
+        """The backend and its kernels, e.g. LeanTarget+rowlinear.avx2+attend+layers (bench reports, logs)."""
+        return "+".join([type(self).__name__] + self.kernel_plan.parts)
 
     def use_fused_attention(self) -> None:
         """Attention as one row-invariant C++ call per layer (kernels/attention.cpp) instead of ~30 tensor ops."""
@@ -180,6 +184,10 @@ class LeanTarget(HFTarget):
         """Why the decoder layers cannot run as one C++ call (`use_layer_stack`), or "" where they can."""
         if not self.fused_attention or self.kernel == "torch":
             return "it needs our linear and attention kernels (--kernel rowlinear or --quant)"
+        return self.layers_unsupported()
+
+    def layers_unsupported(self) -> str:
+        """Why this architecture's layers cannot run as one C++ call whatever the kernels, or "" where they can."""
         if self.architecture not in STACKED:
             return f"{self.architecture} layers are not Llama-style"
         if {layer.attn_type for layer in self._layers} != {"full_attention"}:

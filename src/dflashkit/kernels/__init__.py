@@ -110,13 +110,6 @@ def source_id() -> str:
     return _state["source_id"]
 
 
-def engine_identity(target) -> str:
-    """The target's engine name, plus the kernels' `source_id` where our kernels run it: the key of anything cached
-    about its bits or its speed (a changed kernel keeps the engine's name)."""
-    name = getattr(target, "engine_name", type(target).__name__)
-    return name if getattr(target, "kernel", "torch") == "torch" else f"{name}/kernels-{source_id()}"
-
-
 def available() -> bool:
     return load() is not None
 

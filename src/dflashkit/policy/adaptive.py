@@ -1,0 +1,201 @@
+"""The adaptive step policy (`--policy adaptive`, the default): per step, what to draft and verify so that
+speculation never costs a user time (the package docstring says how)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..step_cost import CostModel
+from ..tree import SOURCE_DRAFTER, DraftTree
+from .acceptance import Acceptance, RowHistory
+from .cut import ANCHOR, MARGIN, CutChoice, best_cut
+from .probes import Looks, Probes
+from .step import Plan, PolicyStats, StepOutcome, StepView, TreeCut
+
+ROWS_KEPT = 4096  # per-row histories kept (least recently used dropped): far more than any batch's rows
+
+
+@dataclass
+class StepRecord:
+    """What the policy predicted at one step (`Plan.record`), from `plan` through `cut` to `observe`."""
+
+    rows: int
+    ctx: int
+    live: int  # rows still decoding
+    live_rows: list[bool]  # per row: still decoding
+    keys: list[int]  # per row: its sequence's key
+    looked: bool = True  # False: a plain step taken without looking
+    values: np.ndarray | None = None  # [b, 1 + k] the lookup nodes' predicted acceptance (ANCHOR in column 0)
+    factor: list[float] = field(default_factory=list)  # per row: `RowHistory.factor` when chosen
+    props: list[list[int]] = field(default_factory=list)  # per row: the lookup proposal
+    matched: list[int] = field(default_factory=list)  # per row: its match length
+    no_draft_rate: float = 0.0  # committed tokens per ms of the best cut without the drafter
+    draft_in: tuple[int, int] = (0, 0)  # the drafter's (context, pending features), for the cost model
+    probe: bool = False  # the drafter runs as a probe
+    kept: list[np.ndarray] = field(default_factory=list)  # per row: kept node indices (0 = the anchor)
+    own: np.ndarray | None = None  # [b, W] each kept node's predicted acceptance (before prefix-closing)
+    p: np.ndarray | None = None  # [b, W] drafter path probabilities (0: not a drafter node)
+    drafter_node: np.ndarray | None = None  # [b, W] bool: proposed by the drafter
+    width: int = 1
+
+
+class AdaptivePolicy:
+    """One per engine and drafting setting: its cost model, acceptance calibration and per-row histories carry over
+    from batch to batch. clock: seconds (a look's host time is weighed against the cost model's ms; a test whose
+    cost model is in made-up units passes a clock that stands still)."""
+
+    def __init__(self, cost: CostModel, acceptance: Acceptance | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.cost, self.acc, self.clock = cost, acceptance or Acceptance(), clock
+        self.probes, self.looks = Probes(), Looks()
+        self.histories: OrderedDict[int, RowHistory] = OrderedDict()
+        self.stats = PolicyStats()
+
+    # ---- the three calls ----------------------------------------------------------------------------------
+    def plan(self, view: StepView) -> Plan:
+        """Look, or take a plain step straight away (`Looks`); looking, price the lookup branch (its best cut), then
+        run the drafter where drafting is predicted to beat that, or as a probe (`_wants_drafter`); else verify the
+        lookup tokens worth their cost, decided on the host before the tree is built (a plain step then builds the
+        anchor alone: building then pruning the whole branch cost ~1 ms a step at batch 16)."""
+        live = sum(view.live)
+        rec = StepRecord(view.rows, view.ctx, live, view.live, view.keys)
+        if self.looks.plain():
+            self.probes.skip(self.cost.verify(view.rows, view.ctx + 1))  # plain steps count toward a probe
+            rec.looked, rec.kept = False, [np.zeros(1, dtype=np.int64)] * view.rows
+            return Plan(look=False, draft=False, record=rec)
+        t0 = self.clock()
+        lk = view.lookup()
+        rec.factor = [self._history(k).factor() for k in view.keys]
+        rec.props, rec.matched = lk.tokens, lk.matched
+        rec.values = self._lookup_values(lk.tokens, lk.matched, view.live, rec.factor)
+        cost_of = self.cost.pass_curve(view.rows, view.ctx)
+        cut = best_cut(rec.values, live, cost_of, margin=MARGIN)
+        if view.drafter and not lk.skips_drafter and self._wants_drafter(view, rec, cut, cost_of):
+            rec.no_draft_rate = cut.rate
+            return Plan(look=True, draft=True, scores=True, record=rec)
+        keep = rec.values >= cut.threshold
+        keep[:, 0] = True
+        self._learn_look(cut, live, cost_of(1), 1000 * (self.clock() - t0))
+        rec.kept, rec.own, rec.width = [np.flatnonzero(k) for k in keep], rec.values, cut.width
+        return Plan(look=True, draft=False, lookup_keep=(keep.sum(1) - 1).tolist(), record=rec)
+
+    def cut(self, plan: Plan, tree: DraftTree) -> TreeCut:
+        """A drafted step: keep the nodes worth their cost (`best_cut`), counting the drafter's time as spent."""
+        rec: StepRecord = plan.record
+        dev, (b, W) = tree.tokens.device, tree.tokens.shape
+        drafter = tree.source == SOURCE_DRAFTER
+        p = torch.where(drafter, tree.logp.float().exp(), 0.0)
+        factor = torch.tensor(rec.factor, device=dev)[:, None]
+        vals = torch.where(drafter, (self.acc.drafter_values(p) * factor).clamp(max=1.0), -math.inf)
+        # Why the lookup's columns are the last ones: a drafted tree is [anchor, m drafter nodes, the whole lookup
+        # branch of k = values' width - 1 tokens] (`tree.build`; nothing of the branch was cut before drafting).
+        k = rec.values.shape[1] - 1
+        if k:
+            vals[:, W - k:] = torch.as_tensor(rec.values[:, 1:], dtype=torch.float32).to(dev)
+        live_rows = torch.tensor(rec.live_rows, device=dev)
+        vals = torch.where(tree.alive & live_rows[:, None], vals, -math.inf)
+        vals[:, 0] = ANCHOR
+        own = vals
+        for _ in range(tree.max_depth):  # a node is worth at most its parent: kept sets stay prefix-closed
+            vals = torch.minimum(vals, vals.gather(1, tree.parent))
+        host = torch.stack([vals, p, tree.depth.float(), own, drafter.float()]).cpu().numpy()  # one host read
+        sunk = self.cost.draft(b, *rec.draft_in)
+        best = best_cut(host[0], rec.live, self.cost.pass_curve(rec.rows, rec.ctx), sunk, MARGIN)
+        keep = host[0] >= best.threshold
+        keep[:, 0] = True  # the anchor: its verification is the step itself
+        self.probes.learn(best.gain / max(rec.live, 1), best.width, best.rate > rec.no_draft_rate, b)
+        rec.kept, rec.own, rec.p, rec.drafter_node = [np.flatnonzero(r) for r in keep], host[3], host[1], host[4] > 0
+        rec.width = best.width
+        return TreeCut(torch.from_numpy(keep).to(dev), best.width, int(host[2][keep].max()))
+
+    def observe(self, plan: Plan, outcome: StepOutcome) -> None:
+        """After the commit: the step's time (cost model) and which kept nodes were accepted (calibration)."""
+        rec: StepRecord = plan.record
+        self.cost.observe_pass(rec.rows, rec.width, rec.ctx, rec.rows if plan.draft else 0, outcome.ms,
+                               *rec.draft_in)
+        st = self.stats
+        st.steps += 1
+        st.drafter_steps += plan.draft
+        st.probe_steps += rec.probe
+        st.plain_steps += not rec.looked
+        st.width += rec.width
+        st.rows += rec.live
+        rows = [r for r in range(rec.rows) if outcome.live[r]]
+        if not rec.looked:  # a plain step: the anchors alone, nothing drafted or predicted to learn from
+            st.committed += sum(outcome.accepted[r] + 1 for r in rows)
+            return
+        ps, ok = [], []
+        for r in rows:
+            a = outcome.accepted[r]
+            path = set(outcome.path[r][:a + 1])
+            st.committed += a + 1
+            st.nodes += len(rec.kept[r]) - 1
+            raw, hit = 0.0, 0
+            for j, old in enumerate(rec.kept[r]):
+                if old:
+                    self.acc.observe_prediction(float(rec.own[r, old]), j in path)
+                    raw += float(rec.own[r, old]) / rec.factor[r]  # the table's own prediction
+                    hit += j in path
+                if rec.drafter_node is not None and rec.drafter_node[r, old]:
+                    ps.append(float(rec.p[r, old]))
+                    ok.append(j in path)
+            if raw:
+                self._history(rec.keys[r]).observe(raw, hit)
+            if rec.props[r]:
+                self.acc.observe_lookup(rec.matched[r], rec.props[r], outcome.tokens[r][:a + 1])
+        if ps:
+            self.acc.observe_drafter(ps, ok)
+
+    # ---- parts --------------------------------------------------------------------------------------------
+    def _history(self, key: int) -> RowHistory:
+        """A sequence's history (made on first use; the least recently used dropped past ROWS_KEPT)."""
+        h = self.histories.get(key)
+        if h is None:
+            h = self.histories[key] = RowHistory()
+            if len(self.histories) > ROWS_KEPT:
+                self.histories.popitem(last=False)
+        else:
+            self.histories.move_to_end(key)
+        return h
+
+    def _lookup_values(self, props: list, matched: list, live: list[bool], factor: list) -> np.ndarray:
+        """Each row's lookup nodes' expected acceptance [b, 1 + k]: rate(n)^j for its j-th copied token, times the
+        row's factor, at most 1; -inf past its proposal (and for finished rows), ANCHOR in column 0."""
+        k = max((len(p) for p in props), default=0)
+        lens = np.array([len(p) if on else 0 for p, on in zip(props, live)])
+        rates = np.array([self.acc.lookup_rate(n) if n else 0.0 for n in matched])
+        j = np.arange(1, k + 1)
+        vals = np.minimum(rates[:, None] ** j[None] * np.asarray(factor)[:, None], 1.0)
+        v = np.full((len(live), 1 + k), ANCHOR)
+        v[:, 1:] = np.where(j[None] <= lens[:, None], vals, -np.inf)
+        return v
+
+    def _wants_drafter(self, view: StepView, rec: StepRecord, cut: CutChoice, cost_of) -> bool:
+        """Run the drafter where drafting is predicted to beat this step's best without it (judged as `best_cut`
+        judges a cut), or when a probe is due (`Probes.due`): the probe's extra time is the drafter, its pending
+        features and the wider verify."""
+        pr = self.probes
+        rows, w, base = view.rows, int(pr.width), cost_of(1)
+        rec.draft_in = (view.ctx, view.pending)
+        extra = (self.cost.draft(rows, *rec.draft_in) + cost_of(w) - base
+                 + (pr.width - w) * (cost_of(w + 1) - cost_of(w)))
+        if rec.live * (1 + pr.gain) / (base + MARGIN * extra) > cut.judged:
+            return True
+        if pr.due(rows, base, extra):
+            rec.probe = True
+            return True
+        pr.skip(base)
+        rec.draft_in = (0, 0)
+        return False
+
+    def _learn_look(self, cut: CutChoice, live: int, base: float, spent: float) -> None:
+        """After a look without the drafter: its value (ms its cut saves against AR) and its host cost."""
+        value = max((live + cut.gain) * base / max(live, 1) - (live + cut.gain) / max(cut.rate, 1e-9), 0.0)
+        self.looks.learn(value, spent)
