@@ -139,7 +139,7 @@ class DecodeBatch:
 
     target: a `TargetModel`; drafter: a `DrafterProposer` or None (block size 1); lookup: a `LookupProposer`;
     width: the widest verify pass (`DecodeConfig.verify_width`); span: the deepest path one step can accept plus 1
-    (`DecodeConfig.depth_span`); policy: what each step drafts and verifies (`policy.py`; default: all of it).
+    (`DecodeConfig.depth_span`); policy: what each step drafts and verifies (`policy/`; default: all of it).
     """
 
     def __init__(self, target, drafter: DrafterProposer | None, lookup: LookupProposer, width: int, span: int,

@@ -40,7 +40,7 @@ class DecodeConfig:
     draft_vocab: int | None = 0  # draft over the N most frequent training ids; 0 = all; None = the drafter's default
     lookup: LookupParams = field(default_factory=LookupParams)  # the n-gram lookup branch (max_tokens 0 = off)
     # what each step verifies: "fixed" = all of the above, every step; "adaptive" = what pays on this machine at
-    # this load (`policy.py`): the above is then the most a step may draft
+    # this load (`policy/`): the above is then the most a step may draft
     policy: str = "fixed"
 
     def __post_init__(self):

@@ -1,7 +1,7 @@
 """The machine's step cost: milliseconds of a target pass by the tokens it verifies and the context, and of the
 drafter by its rows, its context and the features it first ingests. Calibrated once per machine and model in a few
 seconds (`calibrate`, cached in ~/.cache/dflashkit/cost.json under `cost_key`), corrected online from measured steps
-(`CostModel.observe`). The step policy (`policy.py`) weighs every draft against it.
+(`CostModel.observe`). The step policy (`policy/`) weighs every draft against it.
 """
 
 from __future__ import annotations

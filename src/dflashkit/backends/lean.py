@@ -5,7 +5,7 @@ users run. That holds by construction when a token's logits have the same bits w
 or verified inside a block (or a tree, or a batch of ragged rows). Hugging Face's eager modules do not give that in
 bfloat16 (their SDPA kernel changes its reduction with the query count). This forward is built only from kernels
 that are row-wise on the CPUs we run on:
-- on x86 (the default, `loader.apply_kernels`): dflashkit's C++ kernels (`kernels/`): `RowLinear` linears (bf16
+- on x86 (the default, `kernel_plan.py`): dflashkit's C++ kernels (`kernels/`): `RowLinear` linears (bf16
   weights or a GGUF's 4/8-bit codes), `attend` (the attention in one call per layer), and for Llama-style models
   the layer stack (every decoder layer in one call); each output element summed in one fixed order;
 - elsewhere (`kernel="torch"`): linears as 2-D `F.linear` over flattened rows, attention as two matmuls (q.K^T and

@@ -132,7 +132,7 @@ def attach_gguf_codes(target, gguf_path: str | Path, int8_acts: bool = False, sa
         for name, lin in lins.items():
             setattr(layer, name, lin)
     target.stack = None  # a layer stack holds the old weights: build it again after this (`use_layer_stack`)
-    # same bits: the bf16 model on rowlinear, its weights read as codes (`LeanTarget.engine_name` says "+codes")
+    # same bits: the bf16 model on rowlinear, its weights read as codes (the `KernelPlan` says "+codes")
     target.kernel = "rowlinear" if same_bits else ("int4-a8" if int8_acts else "int4")
     target.codes = same_bits
     log.info("%s: %d layers of %s codes from %s, head %s", "bf16 weights as their GGUF codes" if same_bits else

@@ -39,8 +39,8 @@ class EngineMethod:
     def policy_stats(self):
         """A copy of the adaptive policy's running counts (None for a fixed row): diff two for one run's."""
         import dataclasses
-        pol = self.engine.policy(self.config)
-        return dataclasses.replace(pol.stats) if pol.adaptive else None
+        stats = getattr(self.engine.policy(self.config), "stats", None)  # FixedPolicy keeps none
+        return None if stats is None else dataclasses.replace(stats)
 
     def run(self, prompt_ids: list[list[int]], max_new: int) -> list[Turn]:
         gens = self.engine.generate(prompt_ids, sampling=self.sampling, max_new_tokens=max_new, config=self.config)

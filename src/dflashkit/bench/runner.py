@@ -44,7 +44,7 @@ class BenchConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"
     backend: str = "auto"  # the target forward (`loader.make_target`)
-    kernel: str = "auto"  # lean linears (`loader.apply_kernels`)
+    kernel: str = "auto"  # lean linears (`kernel_plan.choose`)
     quant: str = "none"  # int4 / int4-a8: the GGUF's own codes (int4-a8: with 8-bit activations)
     speed_bench_dir: str | None = None
     noise_prompts: int = 8  # AR outputs (first turns) on which the near-tie bound is measured (`rounding_noise`)
