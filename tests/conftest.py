@@ -48,11 +48,14 @@ def make_target(arch: str, dtype=torch.float64, seed: int = 0, backend: str = "h
 
 
 def make_drafter(target: Target, block_size: int = 8, layers: int = 2, seed: int = 1, mask_token_id: int = 3,
-                 draft_vocab_size=None) -> DFlashDrafter:
+                 draft_vocab_size=None, arch: str = "dflash") -> DFlashDrafter:
+    """A tiny random drafter for `target`; arch "dflash2" adds the convolutions and the candidate selector."""
+    v2 = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=16, selector_top_k=6) if arch == "dflash2" else {}
     cfg = DFlashConfig(hidden_size=target.hidden_size, num_hidden_layers=layers, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=8, intermediate_size=48, vocab_size=target.vocab_size,
                        num_target_layers=target.num_layers, mask_token_id=mask_token_id, block_size=block_size,
-                       target_layer_ids=[1, 3], rope_theta=10000.0, draft_vocab_size=draft_vocab_size)
+                       target_layer_ids=[1, 3], rope_theta=10000.0, draft_vocab_size=draft_vocab_size, arch=arch,
+                       **v2)
     return DFlashDrafter(cfg).init_weights(seed, std=0.3).to(target.dtype)
 
 

@@ -23,6 +23,7 @@ from .errors import DFlashError
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 
 def atomic_write(path: Path, write) -> None:
@@ -106,6 +107,9 @@ def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         except (SafetensorError, OSError, ValueError) as e:
             raise DFlashError(f"cannot read {f} ({e}); the file is corrupt or truncated, re-export or "
                               "re-download it.") from None
+    for name in CODEBOOKS:  # Z Lab's DFlash2 checkpoints may name them without `.weight` (its own key mapping)
+        if name in state and f"{name}.weight" not in state:
+            state[f"{name}.weight"] = state.pop(name)
     if "d2t" in state and cfg.draft_vocab_size is None:
         cfg = cfg.replace(draft_vocab_size=state["d2t"].numel())
     drafter = DFlashDrafter(cfg)

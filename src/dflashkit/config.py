@@ -3,6 +3,8 @@
 The on-disk format is Z Lab's (dflash-spec §6.1): Qwen3 layer fields at the top level plus
 `num_target_layers`, `block_size` (top level in Qwen3/LLaMA checkpoints, inside `dflash_config`
 in Qwen3.5+; we read both and write both) and `dflash_config {mask_token_id, target_layer_ids}`.
+A DFlash2 drafter (`arch = "dflash2"`, architecture `DFlash2DraftModel`) adds `conv_kernel_size`, `conv_group_size`,
+`selector_rank` and `selector_top_k`, read from `dflash_config` or the top level as Z Lab's package reads them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [int(round(1 + i * (n - 4) / (k - 1))) for i in range(k)]
 
 
+ARCHS = ("dflash", "dflash2")
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
 @dataclass
 class DFlashConfig:
     hidden_size: int
@@ -45,6 +51,12 @@ class DFlashConfig:
     # Optional reduced draft vocabulary: draft logits over `draft_vocab_size` ids, mapped back to
     # target ids through the `d2t` tensor stored beside the weights. None = full vocabulary.
     draft_vocab_size: int | None = None
+    # DFlash2 (`dflash2.py`): grouped dynamic causal convolutions in every layer and the candidate selector.
+    arch: str = "dflash"  # "dflash" | "dflash2"
+    conv_kernel_size: int = 2  # causal taps of each convolution (speculators' default)
+    conv_group_size: int = 16  # hidden channels sharing one dynamic kernel value
+    selector_rank: int = 256  # rank of the selector's predecessor / successor codebooks
+    selector_top_k: int = 16  # the drafter's candidates per slot the selector walks
 
     def __post_init__(self) -> None:
         if not self.target_layer_ids:
@@ -66,6 +78,16 @@ class DFlashConfig:
                 f"mask_token_id {self.mask_token_id} is outside the vocabulary (size {self.vocab_size}); "
                 "use an id the target's embedding has, e.g. a reserved special token."
             )
+        if self.arch not in ARCHS:
+            raise DFlashError(f"drafter arch must be one of {', '.join(ARCHS)} (got {self.arch!r}).")
+        if self.arch == "dflash2":
+            if min(self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k) < 1:
+                raise DFlashError("conv_kernel_size, conv_group_size, selector_rank and selector_top_k must be >= 1.")
+            if self.hidden_size % self.conv_group_size:
+                raise DFlashError(f"hidden_size ({self.hidden_size}) must be a multiple of conv_group_size "
+                                  f"({self.conv_group_size}); fix dflash_config.conv_group_size.")
+            if self.selector_top_k > self.vocab_size:
+                raise DFlashError(f"selector_top_k ({self.selector_top_k}) exceeds the vocabulary ({self.vocab_size}).")
         if self.num_attention_heads % self.num_key_value_heads:
             raise DFlashError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -103,7 +125,11 @@ class DFlashConfig:
             raise DFlashError("sliding-window draft layers are not supported by dflashkit yet; use a full-attention "
                               "drafter.")
         heads = d["num_attention_heads"]
+        v2 = "DFlash2DraftModel" in (d.get("architectures") or []) or any(k in dc for k in DFLASH2_FIELDS)
+        extra = {k: int(dc.get(k, d.get(k, getattr(cls, k)))) for k in DFLASH2_FIELDS} if v2 else {}
         return cls(
+            **extra,
+            arch="dflash2" if v2 else "dflash",
             hidden_size=d["hidden_size"],
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
@@ -155,6 +181,9 @@ class DFlashConfig:
         }
         if self.draft_vocab_size is not None:
             d["draft_vocab_size"] = self.draft_vocab_size
+        if self.arch == "dflash2":
+            d["architectures"], d["auto_map"] = ["DFlash2DraftModel"], {"AutoModel": "dflash.DFlash2DraftModel"}
+            d["dflash_config"].update({k: getattr(self, k) for k in DFLASH2_FIELDS})
         return d
 
     def replace(self, **changes) -> "DFlashConfig":

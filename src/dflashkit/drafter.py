@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import DFlashConfig
+from .dflash2 import CandidateSelector, DynamicConv
 
 
 class RMSNorm(nn.Module):
@@ -105,11 +106,23 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
+        self.attention_conv = self.mlp_conv = None  # DFlash2: a convolution around each sublayer (`dflash2.py`)
+        if cfg.arch == "dflash2":
+            self.attention_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask, block: int):
         # The context does NOT pass through input_layernorm: it was normed once by hidden_norm.
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self._around(self.attention_conv, self.input_layernorm(x), block,
+                             lambda h: self.self_attn(h, cos, sin, ctx_k, ctx_v, mask))
+        return x + self._around(self.mlp_conv, self.post_attention_layernorm(x), block, self.mlp)
+
+    @staticmethod
+    def _around(conv: DynamicConv | None, h: torch.Tensor, block: int, sublayer) -> torch.Tensor:
+        if conv is None:
+            return sublayer(h)
+        h, dynamic = conv.prepare(h, block)
+        return conv.finish(sublayer(h), dynamic, block)
 
 
 class DFlashDrafter(nn.Module):
@@ -125,6 +138,10 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.candidate_selector = None  # DFlash2: the path through each slot's top-k (`dflash2.py`)
+        if cfg.arch == "dflash2":
+            self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank,
+                                                        cfg.selector_top_k)
         if cfg.draft_vocab_size is not None:
             # d2t[i] = target id of draft id i (stored as offsets target - i, the EAGLE-3 convention).
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
@@ -164,31 +181,34 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.kv(fused, cos, sin) for layer in self.layers]
 
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, ctx_kv, mask: torch.Tensor,
-                taps: torch.Tensor | None = None, tap_positions: torch.Tensor | None = None):
+                taps: torch.Tensor | None = None, tap_positions: torch.Tensor | None = None, block: int | None = None):
         """block_embeds: [B, Q, H] target embeddings of the block tokens; block_positions: [B, Q];
         ctx_kv: per layer (k, v) each [B, kvh, S, hd]; mask: [B, 1, Q, S + Q] bool (True = visible).
         Training passes raw `taps` [B, S, k*H] at `tap_positions` [B, S] instead of ctx_kv, so that the whole
         step is one `forward` (what DistributedDataParallel needs to synchronise gradients).
+        block: slots per block when Q packs several (training; DFlash2's convolutions stay inside each; default Q).
         Returns the final-normed hidden states [B, Q, H] (feed to the target LM head)."""
         if taps is not None:
             ctx_kv = self.context_kv(self.fuse(taps), tap_positions)
         cos, sin = rope_cos_sin(block_positions, self.config.head_dim, self.config.rope_theta, block_embeds.dtype)
         x = block_embeds
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, ck, cv, mask)
+            x = layer(x, cos, sin, ck, cv, mask, block or x.shape[1])
         return self.norm(x)
 
 
 def layer_stack(drafter: DFlashDrafter):
     """The drafter's layers as ONE C++ call per drafting step (kernels/layers.cpp, the stack the lean target runs:
     the ~40 small torch ops per layer around the kernels were ~half of a drafting step on a CPU), or None where it
-    cannot run them (no kernels, not bf16, attention biases, a width not a multiple of 32). Its fused qkv and
-    gate/up weights are copies: build it once per drafter (`DFlashEngine` does, next to a stacked target)."""
+    cannot run them (no kernels, not bf16, attention biases, a width not a multiple of 32, DFlash2's convolutions).
+    Its fused qkv and gate/up weights are copies: build it once per drafter (`DFlashEngine` does, next to a stacked
+    target)."""
     from .kernels import RowLinear, load, stack_linear
 
     c = drafter.config
     widths = (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
-    if (load() is None or c.attention_bias or drafter.fc.weight.dtype != torch.bfloat16 or c.head_dim % 8
+    if (load() is None or c.arch == "dflash2" or c.attention_bias or drafter.fc.weight.dtype != torch.bfloat16
+            or c.head_dim % 8
             or any(w % 32 for w in widths)):
         return None
 
@@ -204,3 +224,19 @@ def layer_stack(drafter: DFlashDrafter):
                         [fused(a.q_proj, a.k_proj, a.v_proj), fused(a.o_proj), fused(m.gate_proj, m.up_proj),
                          fused(m.down_proj)], 1.0 / math.sqrt(c.head_dim))
     return stack
+
+
+def dflash2_from(v1: DFlashDrafter, **fields) -> DFlashDrafter:
+    """A DFlash2 drafter that drafts exactly what the v1 drafter `v1` drafts: its weights, identity convolutions
+    (`DynamicConv.init_identity`) and a selector scoring the unary logits alone (`CandidateSelector.init_unary`;
+    its other weights small random, so that training moves them). fields: DFlash2's config fields
+    (`config.DFLASH2_FIELDS`), else their defaults."""
+    cfg = v1.config.replace(arch="dflash2", **fields)
+    v2 = DFlashDrafter(cfg).init_weights(0)
+    v2.load_state_dict(v1.state_dict(), strict=False)  # v1's tensors are a subset of v2's: the rest stays as set
+    for layer in v2.layers:
+        layer.attention_conv.init_identity()
+        layer.mlp_conv.init_identity()
+    v2.candidate_selector.init_unary()
+    v2.token_ranking = v1.token_ranking
+    return v2.to(next(v1.parameters()).dtype)

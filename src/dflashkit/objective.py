@@ -68,6 +68,7 @@ class Blocks:
     labels: torch.Tensor  # [B, N*Bq] token at the same position (0 where unsupervised)
     weights: torch.Tensor  # [B, N*Bq] loss weight (0 = unsupervised)
     mask: torch.Tensor  # [B, 1, N*Bq, S + N*Bq]
+    block_size: int  # Bq: slots per block (DFlash2's convolutions stay inside each block)
 
 
 def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
@@ -85,7 +86,7 @@ def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torc
     supervised = torch.gather(loss_mask, 1, lab_pos.view(B, -1)).view(B, N, Bq) & inside & valid[:, :, None]
     w = decay_weights(Bq, gamma, input_ids.device) * supervised  # slot 0 weight is 0 by construction
     return Blocks(ids.view(B, -1), pos.view(B, -1), torch.where(supervised, labels, 0).view(B, -1),
-                  w.view(B, -1), block_mask(anchors, valid, S, Bq))
+                  w.view(B, -1), block_mask(anchors, valid, S, Bq), Bq)
 
 
 def training_forward(drafter: DFlashDrafter, embed, taps: torch.Tensor, blocks: Blocks) -> torch.Tensor:
@@ -104,7 +105,7 @@ def training_forward(drafter: DFlashDrafter, embed, taps: torch.Tensor, blocks: 
         self_slot[..., S:] = torch.eye(Q, dtype=torch.bool, device=mask.device)
         mask = mask | (empty & self_slot)
     return drafter(embed(blocks.ids), blocks.positions, None, mask,
-                   taps=taps, tap_positions=torch.arange(S, device=taps.device).expand(B, S))
+                   taps=taps, tap_positions=torch.arange(S, device=taps.device).expand(B, S), block=blocks.block_size)
 
 
 def dflash_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor, block_size: int,

@@ -201,16 +201,41 @@ class DrafterProposer:
         """Ingest the pending features, draft one block, and return the chain or the tree of likeliest paths.
         scores: also give each node's path log-probability (the adaptive policy prunes the tree itself then)."""
         self.ingest(state, view.starts)
+        if self.drafter.candidate_selector is not None and not self.tree:
+            return self._selected(state, view, scores)
         # A tree of n nodes needs at most the n best tokens per slot (its beam is then exact, `topk_tree`).
         toks, logp = self.draft(state, view, k=min(self.tree, 16) if self.tree else 1, probs=scores)
         if self.tree:
             return topk_tree(toks, logp, self.tree, 0.0 if scores else self.tree_min_prob)
         return chain_nodes(toks[..., 0], logp[..., 0] if scores else None)
 
+    def _selected(self, state: DraftState, view: DraftView, scores: bool) -> DraftNodes:
+        """DFlash2's chain: the candidate selector's path through each slot's top-k (`dflash2.CandidateSelector`);
+        scores: each node's path log-probability under the drafter's own (unary) distribution."""
+        h = self._hidden(state, view)[:, 1:]
+        logits = self.target.logits(h, self.head)  # [b, B-1, V']
+        sel = self.drafter.candidate_selector.select(h, logits, view.anchor, self.d2t)
+        logp = None
+        if scores:
+            logp = logits.float().log_softmax(-1).gather(-1, sel.columns[..., None])[..., 0]
+        return chain_nodes(sel.path, logp)
+
     def draft(self, state: DraftState, view: DraftView, k: int = 1,
               probs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's k best tokens per block slot 1..B-1 as target ids [b, B-1, k], best first, and their
         log-probabilities [b, B-1, k] (float32; zeros for k = 1 unless probs, where only the argmax is needed)."""
+        # Same-position prediction: output slot j (j >= 1) proposes the token AT position anchor + j; slot 0
+        # (the anchor itself) is discarded.
+        logits = self.target.logits(self._hidden(state, view)[:, 1:], self.head)
+        if k == 1 and not probs:  # no probabilities needed: skip the softmax (max, not bf16 argmax: see sampling.py)
+            drafts = logits.max(-1, keepdim=True).indices
+            logp = torch.zeros(drafts.shape, dtype=torch.float32, device=drafts.device)
+        else:
+            logp, drafts = logits.float().log_softmax(-1).topk(k, dim=-1)
+        return (self.d2t[drafts] if self.d2t is not None else drafts), logp
+
+    def _hidden(self, state: DraftState, view: DraftView) -> torch.Tensor:
+        """The drafter's final-normed states [b, B, H] of the block [anchor, MASK x (B-1)] at the anchors."""
         c, anchor = self.drafter.config, view.anchor
         b, Q, dev = anchor.shape[0], self.block_size, anchor.device
         blk_pos = view.start[:, None] + self._arange_q  # [b, Q]
@@ -229,15 +254,7 @@ class DrafterProposer:
             ctx_kv = [(state.cache.keys[l][:, :, :view.ctx_len], state.cache.values[l][:, :, :view.ctx_len])
                       for l in range(c.num_hidden_layers)]
             h = self.drafter(self.target.embed(block), blk_pos, ctx_kv, mask)
-        # Same-position prediction: output slot j (j >= 1) proposes the token AT position anchor + j; slot 0
-        # (the anchor itself) is discarded.
-        logits = self.target.logits(h[:, 1:], self.head)
-        if k == 1 and not probs:  # no probabilities needed: skip the softmax (max, not bf16 argmax: see sampling.py)
-            drafts = logits.max(-1, keepdim=True).indices
-            logp = torch.zeros(drafts.shape, dtype=torch.float32, device=drafts.device)
-        else:
-            logp, drafts = logits.float().log_softmax(-1).topk(k, dim=-1)
-        return (self.d2t[drafts] if self.d2t is not None else drafts), logp
+        return h
 
 
     def _stacked(self, cache: PositionCache, x: torch.Tensor, blk_pos: torch.Tensor, view: DraftView) -> torch.Tensor:

@@ -1,0 +1,121 @@
+"""DFlash2 drafters: Z Lab's checkpoints load and propose what Z Lab's own `DFlash2DraftModel.propose` proposes, a v1
+drafter converts without changing a draft, and greedy output with the selector's chain equals AR."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import make_drafter, make_target
+from dflashkit import DecodeConfig, DFlashEngine, DFlashError
+from dflashkit.checkpoint import load_drafter, save_drafter
+from dflashkit.config import DFlashConfig
+from dflashkit.drafter import dflash2_from
+from test_engine import PROMPTS, reference_runs
+
+V, H = 96, 32
+FIELDS = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=16, selector_top_k=5)
+
+
+def zlab_dflash2(tmp_path, seed: int = 0):
+    """A random DFlash2 drafter made and saved by Z Lab's own package (Qwen3 layers, 2 draft layers)."""
+    dflash = pytest.importorskip("dflash")
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      intermediate_size=64, vocab_size=V, rms_norm_eps=1e-6, rope_theta=10000.0,
+                      max_position_embeddings=512, architectures=["DFlash2DraftModel"])
+    cfg.num_target_layers, cfg.block_size = 6, 8
+    cfg.dflash_config = {"mask_token_id": 3, "target_layer_ids": [1, 4], "block_size": 8, **FIELDS}
+    model = dflash.DFlash2DraftModel(cfg).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # every tensor set here (some are left uninitialised)
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if name.endswith("norm.weight")
+                    else 0.3 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def test_a_zlab_dflash2_checkpoint_loads_and_proposes_what_zlab_proposes(tmp_path):
+    """float32, the same weights and inputs: the drafter's hidden states (<= 1e-5), the selector's path and each
+    slot's top-k candidates equal Z Lab's `DFlash2DraftModel.propose`, over 20 random contexts."""
+    zl = zlab_dflash2(tmp_path)
+    ours = load_drafter(tmp_path, dtype=torch.float32)
+    assert ours.config.arch == "dflash2" and ours.config.selector_top_k == 5 and ours.config.conv_group_size == 8
+    head = torch.nn.Linear(H, V, bias=False)
+    g = torch.Generator().manual_seed(1)
+    head.weight.data = 0.5 * torch.randn(V, H, generator=g)
+    for trial in range(20):
+        S, B = 5 + trial, 8
+        taps = torch.randn(1, S, 2 * H, generator=g)
+        block = torch.full((1, B), 3, dtype=torch.long)
+        block[0, 0] = int(torch.randint(4, V, (1,), generator=g))
+        embeds = torch.randn(V, H, generator=g)[block]
+        pos = torch.arange(S + B)[None]
+        with torch.no_grad():
+            ref_h = zl(target_hidden=taps, noise_embedding=embeds, position_ids=pos)[:, 1:]
+            ref_path, ref_cand, _ = zl.propose(ref_h, block[:, 0], head, 0.0)
+            ctx = ours.context_kv(ours.fuse(taps), pos[:, :S])
+            h = ours(embeds, pos[:, S:], ctx, torch.ones(1, 1, B, S + B, dtype=torch.bool))[:, 1:]
+            sel = ours.candidate_selector.select(h, head(h), block[:, 0])
+        assert (h - ref_h).abs().max() <= 1e-5
+        assert torch.equal(sel.path, ref_path)
+        assert torch.equal(sel.candidates.sort(-1).values, ref_cand.sort(-1).values)
+
+
+def test_zlab_codebooks_without_the_weight_suffix_load(tmp_path):
+    zlab_dflash2(tmp_path)
+    a = load_drafter(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    for name in ("predecessor_codebook", "successor_codebook"):  # the names Z Lab's key mapping reads
+        state[f"candidate_selector.{name}"] = state.pop(f"candidate_selector.{name}.weight")
+    save_file(state, tmp_path / "model.safetensors")
+    b = load_drafter(tmp_path)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_dflash2_checkpoints_round_trip_and_refuse_what_is_missing(tmp_path):
+    t = make_target("llama")
+    dr = make_drafter(t, arch="dflash2")
+    save_drafter(dr, tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["selector_rank"] == 16
+    back = load_drafter(tmp_path / "d", dtype=torch.float64)
+    assert back.config == dr.config
+    assert all(torch.equal(x, y) for x, y in zip(back.state_dict().values(), dr.state_dict().values()))
+    state = load_file(tmp_path / "d" / "model.safetensors")
+    del state["layers.0.mlp_conv.base_kernel"]
+    save_file(state, tmp_path / "d" / "model.safetensors")
+    with pytest.raises(DFlashError, match="missing .*mlp_conv.base_kernel"):
+        load_drafter(tmp_path / "d")
+    with pytest.raises(DFlashError, match="conv_group_size"):
+        DFlashConfig.from_hf_dict({**cfg, "dflash_config": {**cfg["dflash_config"], "conv_group_size": 7}})
+
+
+def test_a_dflash2_drafter_from_a_v1_drafter_drafts_exactly_the_same(arch):
+    """Identity convolutions and a selector at the unary scores: every step's chain is the v1 drafter's (the
+    engine's greedy runs give the same accepted lengths, not only the same tokens)."""
+    t = make_target(arch)
+    v1 = make_drafter(t, block_size=6)
+    v2 = dflash2_from(v1, **FIELDS)
+    config = DecodeConfig(block_size=6)
+    runs = [DFlashEngine(t, d, eos_token_ids=[], config=config).generate(PROMPTS, max_new_tokens=24)
+            for d in (v1, v2)]
+    assert [g.tokens for g in runs[0]] == [g.tokens for g in runs[1]]
+    assert [g.stats.accepted for g in runs[0]] == [g.stats.accepted for g in runs[1]]
+
+
+def test_greedy_with_the_selector_chain_equals_ar(arch, backend):
+    """A random DFlash2 drafter (its selector moves the chain away from the per-slot argmax): output equals AR,
+    alone and batched, with the adaptive policy too."""
+    t = make_target(arch, backend=backend)
+    dr = make_drafter(t, block_size=6, arch="dflash2")
+    eng = DFlashEngine(t, dr, eos_token_ids=[], config=DecodeConfig(block_size=6))
+    ar, _ = reference_runs(eng, PROMPTS, 30)
+    assert [g.tokens for g in eng.generate(PROMPTS, max_new_tokens=30)] == [g.tokens for g in ar]
+    assert eng.generate(PROMPTS[2:3], max_new_tokens=30)[0].tokens == ar[2].tokens
+    h = torch.randn(2, 5, t.hidden_size, dtype=t.dtype)
+    logits = torch.randn(2, 5, t.vocab_size, dtype=t.dtype)
+    assert not torch.equal(dr.candidate_selector.select(h, logits, torch.tensor([5, 6])).path, logits.argmax(-1))
