@@ -119,3 +119,26 @@ def test_greedy_with_the_selector_chain_equals_ar(arch, backend):
     h = torch.randn(2, 5, t.hidden_size, dtype=t.dtype)
     logits = torch.randn(2, 5, t.vocab_size, dtype=t.dtype)
     assert not torch.equal(dr.candidate_selector.select(h, logits, torch.tensor([5, 6])).path, logits.argmax(-1))
+
+
+def test_training_a_dflash2_drafter_from_a_v1_drafter_learns_the_selector(tmp_path):
+    """`TrainConfig(arch="dflash2", init_from=V1)`: the v1 drafter becomes a DFlash2 drafter (as `dflash2_from`),
+    trains with the unary + selector objective (its log shows both), and saves a DFlash2 checkpoint that decodes."""
+    from test_train import recipe, tiny_setup
+    from dflashkit.train import TrainConfig, train
+
+    target_dir, data = tiny_setup(tmp_path)
+    train(TrainConfig.from_file(recipe(tmp_path, target_dir, data, "v1", steps=3)))
+    v1 = load_drafter(tmp_path / "v1" / "drafter")
+    cfg = TrainConfig.from_file(recipe(tmp_path, target_dir, data, "v2", steps=6, arch="dflash2",
+                                       init_from=str(tmp_path / "v1" / "drafter"), lr=3e-3))
+    v2 = train(cfg)
+    assert v2.config.arch == "dflash2" and v2.config.num_hidden_layers == v1.config.num_hidden_layers
+    log = [json.loads(x) for x in (tmp_path / "v2" / "train_log.jsonl").read_text().splitlines()]
+    assert all("selector_loss" in r and 0 <= r["selector_acc"] <= 1 for r in log)
+    assert log[-1]["selector_loss"] < log[0]["selector_loss"]
+    moved = [n for n, p in v2.named_parameters() if "conv" in n or "selector" in n]
+    assert moved and not torch.equal(v2.candidate_selector.predecessor_codebook.weight,
+                                     torch.zeros_like(v2.candidate_selector.predecessor_codebook.weight))
+    back = load_drafter(tmp_path / "v2" / "drafter")
+    assert back.config.arch == "dflash2"

@@ -49,6 +49,7 @@ def cmd_train(args) -> int:
         print(json.dumps({"out_dir": cfg.out_dir}))
         return 0
     overrides = _recipe_overrides(args.config) if args.config else {}
+    overrides.update({k: v for k, v in (("arch", args.arch), ("init_from", args.init_from)) if v is not None})
     result = run(RunConfig(out=args.out, target=args.target, prompts=args.prompts, preset=args.preset,
                            steps=args.steps, minutes=args.minutes, device=args.device, overrides=overrides))
     if "stopped" in result:
@@ -122,6 +123,11 @@ def training_parsers(sub) -> None:
     t.add_argument("--steps", type=int, default=None, help="training steps (default: the preset's)")
     t.add_argument("--minutes", type=float, default=None, help="time budget of the whole run (rerun to continue)")
     t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1")
+    t.add_argument("--arch", default=None, choices=["dflash", "dflash2"],
+                   help="dflash2: the candidate selector and convolutions (default: the recipe's, dflash)")
+    t.add_argument("--init-from", default=None,
+                   help="a drafter directory to start from; a v1 drafter with --arch dflash2 becomes a DFlash2 "
+                        "drafter that drafts exactly what it drafted, then trains")
     t.add_argument("--config", default=None,
                    help="JSON of TrainConfig fields: with --out, overrides the preset's recipe; alone, the whole "
                         "recipe (out_dir, data_dir...) as before")

@@ -105,7 +105,8 @@ def training_forward(drafter: DFlashDrafter, embed, taps: torch.Tensor, blocks: 
         self_slot[..., S:] = torch.eye(Q, dtype=torch.bool, device=mask.device)
         mask = mask | (empty & self_slot)
     return drafter(embed(blocks.ids), blocks.positions, None, mask,
-                   taps=taps, tap_positions=torch.arange(S, device=taps.device).expand(B, S), block=blocks.block_size)
+                   taps=taps, tap_positions=torch.arange(S, device=taps.device).expand(B, S),
+                   block=blocks.block_size)
 
 
 def dflash_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor, block_size: int,
@@ -164,3 +165,40 @@ def decode_path_tau(runs: list[int]) -> tuple[int, int]:
         i += max(1, runs[i])
         passes += 1
     return min(i, len(runs)), passes
+
+
+def selector_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor, selector, softcap: float | None = None,
+                  chunk: int = 4096):
+    """DFlash2's selector objective (speculators' `dflash2`): at each supervised slot, a top_k-way cross-entropy over
+    the drafter's top-k unary candidates (the label put in the last place where the top-k misses it), scored by the
+    selector with the TRUE previous token as predecessor (teacher forcing: the anchor before slot 1), weighted by the
+    slots' decayed weights. hidden: [B, N*Bq, H]. Returns (loss, stats: selector hits on slots whose top-k held the
+    label, and those slots)."""
+    w, Bq = blocks.weights, blocks.block_size
+    sel = w > 0
+    # Why the roll: slot s's predecessor is the token at s - 1: the anchor (`ids`) for s = 1, else the label there.
+    first = (torch.arange(w.shape[1], device=w.device) % Bq == 1)[None]
+    prev_all = torch.where(first, blocks.ids.roll(1, dims=1), blocks.labels.roll(1, dims=1))
+    h, labels, weights, prev = hidden[sel], blocks.labels[sel], w[sel], prev_all[sel]
+    k = selector.top_k
+    total = h.new_zeros((), dtype=torch.float32)
+    hits = held = h.new_zeros((), dtype=torch.float32)
+    for lo in range(0, h.shape[0], chunk):
+        hc, lab, pc = h[lo:lo + chunk], labels[lo:lo + chunk], prev[lo:lo + chunk]
+        logits = (hc @ lm_head.T).float()
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        unary, cand = logits.topk(k, dim=-1)  # [m, k]
+        match = cand == lab[:, None]
+        has = match.any(-1)
+        place = torch.where(has, match.int().argmax(-1), k - 1)  # the label's place among the candidates
+        last = torch.where(has, unary[:, -1], logits.gather(1, lab[:, None])[:, 0])
+        cand = torch.cat([cand[:, :-1], torch.where(has, cand[:, -1], lab)[:, None]], 1)
+        unary = torch.cat([unary[:, :-1], last[:, None]], 1)
+        scores = unary + torch.einsum("mr,mkr->mk", (selector.predecessor_codebook(pc)
+                                                      * selector.hidden_projection(hc)).float(),
+                                      selector.successor_codebook(cand).float())
+        total = total + (F.cross_entropy(scores, place, reduction="none") * weights[lo:lo + chunk]).sum()
+        hits = hits + ((scores.argmax(-1) == place) & has).sum().float()
+        held = held + has.sum().float()
+    return total / weights.sum().clamp(min=1e-6), {"selector_hits": hits.detach(), "selector_held": held.detach()}

@@ -24,9 +24,11 @@ import torch
 
 from .checkpoint import atomic_write, load_drafter, save_drafter
 from .data import TokenShard, load_shards
-from .drafter import DFlashDrafter
+from .config import ARCHS
+from .drafter import DFlashDrafter, dflash2_from
 from .errors import DFlashError
-from .objective import build_blocks, dflash_loss, training_forward, sample_anchors, simulated_tau, decode_path_tau
+from .objective import (build_blocks, decode_path_tau, dflash_loss, sample_anchors, selector_loss, simulated_tau,
+                        training_forward)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,10 @@ class TrainConfig:
     block_size: int = 16
     mask_token_id: int | None = None  # None = loader.choose_mask_token_id
     init_from: str | None = None  # an existing drafter directory to fine-tune
+    # "dflash2": the candidate selector and the convolutions (`dflash2.py`); with init_from a v1 drafter, they start
+    # where it drafts exactly v1's chain (`drafter.dflash2_from`). selector_alpha weighs the selector's loss.
+    arch: str = "dflash"
+    selector_alpha: float = 1.0
     # Reduced draft vocabulary: the most frequent target tokens of the training responses (None = full).
     # The loss and the drafting run over these rows of the LM head only; verification stays exact.
     draft_vocab_size: int | None = None
@@ -146,8 +152,13 @@ def train_step_loss(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: torc
     head, t2d = vocab if vocab is not None else (None, None)
     with autocast():
         hidden = training_forward(drafter, target.embed, taps, blocks)
-        return dflash_loss(hidden, blocks, target.lm_head_weight, cfg.block_size, softcap=target.softcap,
-                           d2t_head=head, t2d=t2d)
+        loss, stats = dflash_loss(hidden, blocks, target.lm_head_weight, cfg.block_size, softcap=target.softcap,
+                                  d2t_head=head, t2d=t2d)
+        selector = unwrap(drafter).candidate_selector
+        if selector is not None:  # DFlash2: unary + alpha * selector (over the full vocabulary's top-k)
+            extra, more = selector_loss(hidden, blocks, target.lm_head_weight, selector, softcap=target.softcap)
+            loss, stats = loss + cfg.selector_alpha * extra, {**stats, **more, "selector_loss": extra.detach()}
+        return loss, stats
 
 
 def token_counts(shards: list[TokenShard], vocab_size: int) -> np.ndarray:
@@ -241,12 +252,15 @@ def _setup_distributed(cfg: TrainConfig):
 def build_drafter(cfg: TrainConfig, target, tokenizer) -> DFlashDrafter:
     from .loader import choose_mask_token_id, default_drafter_config
 
+    if cfg.arch not in ARCHS:
+        raise DFlashError(f"arch must be one of {', '.join(ARCHS)} (got {cfg.arch!r}).")
     if cfg.init_from:
-        return load_drafter(cfg.init_from)
+        drafter = load_drafter(cfg.init_from)
+        return dflash2_from(drafter) if cfg.arch == "dflash2" and drafter.config.arch == "dflash" else drafter
     mask = cfg.mask_token_id if cfg.mask_token_id is not None else choose_mask_token_id(tokenizer)
     dc = default_drafter_config(target, mask, num_layers=cfg.num_layers, block_size=cfg.block_size,
                                 target_layer_ids=cfg.target_layer_ids or None)
-    return DFlashDrafter(dc).init_weights(cfg.seed)
+    return DFlashDrafter(dc.replace(arch=cfg.arch)).init_weights(cfg.seed)
 
 
 def _prepare(cfg: TrainConfig, target, tokenizer, device):
@@ -328,7 +342,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> DFlashDrafter:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         opt.zero_grad(set_to_none=True)
-        tot_loss, correct, count = 0.0, 0, 0
+        tot_loss, correct, count, sel = 0.0, 0, 0, [0.0, 0.0, 0.0]  # sel: DFlash2's selector loss, hits, held
         for micro in range(cfg.grad_accum):
             ids, lm = train_batches.get(step * cfg.grad_accum + micro, cfg.batch_size, rank)
             gen = torch.Generator(device=device).manual_seed(hash((cfg.seed, step, micro, rank)) % (2**62))
@@ -336,6 +350,9 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> DFlashDrafter:
             (loss / cfg.grad_accum).backward()
             tot_loss += loss.detach().item() / cfg.grad_accum
             correct, count = correct + st["correct"], count + st["count"]
+            if "selector_loss" in st:
+                sel = [sel[0] + float(st["selector_loss"]) / cfg.grad_accum, sel[1] + float(st["selector_hits"]),
+                       sel[2] + float(st["selector_held"])]
         gnorm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
         opt.step()
         step += 1
@@ -345,6 +362,8 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> DFlashDrafter:
             rec = {"step": step, "loss": round(tot_loss, 5), "lr": lr_at(step - 1, cfg), "grad_norm": round(gnorm, 4),
                    "acc1": round(float(acc[0]), 4), "acc_mean": round(float(acc.mean()), 4),
                    "elapsed_s": round(time.time() - t_start, 1)}
+            if sel[2]:  # the selector's teacher-forced choice, where the top-k held the label
+                rec.update(selector_loss=round(sel[0], 5), selector_acc=round(sel[1] / sel[2], 4))
             if eval_batches is not None and cfg.eval_batches > 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
                 rec.update(evaluate(model, target, eval_batches, cfg, autocast, device, vocab))
             _write_log(rec, logf, writer, bar, step)
