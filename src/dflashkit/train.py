@@ -48,6 +48,10 @@ class TrainConfig:
     # where it drafts exactly v1's chain (`drafter.dflash2_from`). selector_alpha weighs the selector's loss.
     arch: str = "dflash"
     selector_alpha: float = 1.0
+    # What trains: "all"; "selector" (the candidate selector alone: no gradient runs through the layers, a fine-tune
+    # of a converted v1 drafter at a fraction of a full step's cost on a CPU); "dflash2" (the selector and the
+    # convolutions).
+    train_only: str = "all"
     # Reduced draft vocabulary: the most frequent target tokens of the training responses (None = full).
     # The loss and the drafting run over these rows of the LM head only; verification stays exact.
     draft_vocab_size: int | None = None
@@ -92,6 +96,9 @@ class TrainConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise DFlashError(f"unknown recipe keys {unknown}; valid keys: {sorted(known)}.")
+
+
+TRAIN_ONLY = ("all", "selector", "dflash2")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -274,6 +281,14 @@ def _prepare(cfg: TrainConfig, target, tokenizer, device):
     if cfg.draft_vocab_size and drafter.config.draft_vocab_size != cfg.draft_vocab_size:
         drafter = with_draft_vocab(drafter, frequent_tokens(train_shards, cfg.draft_vocab_size, target.vocab_size))
     drafter = drafter.to(device)
+    if cfg.train_only not in TRAIN_ONLY:
+        raise DFlashError(f"train_only must be one of {', '.join(TRAIN_ONLY)} (got {cfg.train_only!r}).")
+    if cfg.train_only != "all":
+        if drafter.candidate_selector is None:
+            raise DFlashError(f"train_only={cfg.train_only!r} trains DFlash2's parts; give arch \"dflash2\".")
+        parts = ("candidate_selector.",) + (("_conv.",) if cfg.train_only == "dflash2" else ())
+        for name, p in drafter.named_parameters():
+            p.requires_grad_(any(x in name for x in parts))
     target.set_taps(drafter.config.target_layer_ids)
     vocab = None
     if drafter.d2t is not None:
@@ -319,7 +334,8 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> DFlashDrafter:
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out_dir)
     target, drafter, train_shards, vocab = _prepare(cfg, target, tokenizer, device)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.betas),
+                            weight_decay=cfg.weight_decay)
     step = _resume(drafter, opt, out / "checkpoint.pt", device)
     model = drafter
     if world > 1:
