@@ -142,3 +142,33 @@ def test_training_a_dflash2_drafter_from_a_v1_drafter_learns_the_selector(tmp_pa
                                      torch.zeros_like(v2.candidate_selector.predecessor_codebook.weight))
     back = load_drafter(tmp_path / "v2" / "drafter")
     assert back.config.arch == "dflash2"
+
+
+def test_a_dflash2_export_loads_in_zlabs_package_and_proposes_the_same(tmp_path):
+    """`export_zlab` of our DFlash2 drafter: Z Lab's `DFlash2DraftModel.from_pretrained` loads it (all tensors
+    present) and proposes our path; the speculators and GGUF exports refuse it rather than drop the selector."""
+    dflash = pytest.importorskip("dflash")
+    from dflashkit.export import export_speculators, export_zlab
+    from dflashkit.gguf_export import export_gguf
+
+    t = make_target("qwen3", dtype=torch.float32)
+    dr = make_drafter(t, block_size=8, arch="dflash2").float()
+    export_zlab(dr, tmp_path / "z", dtype=None)
+    zl = dflash.DFlash2DraftModel.from_pretrained(tmp_path / "z").float().eval()
+    g = torch.Generator().manual_seed(4)
+    taps, S = torch.randn(1, 9, 2 * t.hidden_size, generator=g), 9
+    block = torch.tensor([[17] + [3] * 7])
+    embeds, pos = t.embed(block).float(), torch.arange(S + 8)[None]
+    head = torch.nn.Linear(t.hidden_size, t.vocab_size, bias=False)
+    head.weight.data = t.lm_head_weight.float()
+    with torch.no_grad():
+        ref_h = zl(target_hidden=taps, noise_embedding=embeds, position_ids=pos)[:, 1:]
+        ref_path = zl.propose(ref_h, block[:, 0], head, 0.0)[0]
+        h = dr(embeds, pos[:, S:], dr.context_kv(dr.fuse(taps), pos[:, :S]),
+               torch.ones(1, 1, 8, S + 8, dtype=torch.bool))[:, 1:]
+    assert (h - ref_h).abs().max() <= 1e-5
+    assert torch.equal(dr.candidate_selector.select(h, head(h), block[:, 0]).path, ref_path)
+    with pytest.raises(DFlashError, match="DFlash2"):
+        export_speculators(dr, t, "tiny", tmp_path / "s")
+    with pytest.raises(DFlashError, match="DFlash2"):
+        export_gguf(dr, tmp_path / "none.gguf", tmp_path / "g.gguf")

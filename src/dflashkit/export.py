@@ -31,19 +31,26 @@ SPECULATORS_REQUIRED_CONFIG = ("speculators_model_type", "architectures", "specu
                                "aux_hidden_state_layer_ids", "mask_token_id")
 
 
-def required_tensors(num_layers: int) -> set[str]:
+def required_tensors(num_layers: int, arch: str = "dflash") -> set[str]:
     names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    if arch == "dflash2":
+        names |= {f"candidate_selector.{n}.weight"
+                  for n in ("predecessor_codebook", "successor_codebook", "hidden_projection")}
     for i in range(num_layers):
         p = f"layers.{i}."
+        if arch == "dflash2":
+            names |= {p + f"{c}_conv.{n}" for c in ("attention", "mlp")
+                      for n in ("base_kernel", "kernel_projection.weight")}
         names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
                   p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"}
         names |= {p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
     return names
 
 
-def check_export(config: dict, tensors: dict[str, torch.Tensor], required_config, num_layers: int) -> None:
+def check_export(config: dict, tensors: dict[str, torch.Tensor], required_config, num_layers: int,
+                 arch: str = "dflash") -> None:
     missing = [k for k in required_config if k not in config]
-    missing += sorted(required_tensors(num_layers) - set(tensors))
+    missing += sorted(required_tensors(num_layers, arch) - set(tensors))
     if missing:
         raise DFlashError(f"refusing to export: missing {missing}. A serving engine would load the drafter with these "
                           "silently absent (random weights, collapsed acceptance).")
@@ -68,7 +75,7 @@ def export_zlab(drafter: DFlashDrafter, out: str | Path, dtype: torch.dtype | No
     cfg = drafter.config.replace(draft_vocab_size=None).to_hf_dict()
     tensors = _state(drafter, dtype)
     cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-    check_export(cfg, tensors, ZLAB_REQUIRED_CONFIG, drafter.config.num_hidden_layers)
+    check_export(cfg, tensors, ZLAB_REQUIRED_CONFIG, drafter.config.num_hidden_layers, drafter.config.arch)
     return _write(Path(out), cfg, tensors)
 
 
@@ -77,6 +84,9 @@ def export_speculators(drafter: DFlashDrafter, target, target_name: str, out: st
     """vLLM speculators layout (as speculators 0.9.0 saves it): the draft body only; the embedding, LM head
     and verifier norm are reloaded from the verifier named in `speculators_config.verifier`."""
     c = drafter.config
+    if c.arch != "dflash":  # its layout (`dflash2` in speculators) is not written yet: never drop the selector silently
+        raise DFlashError("the speculators export writes DFlash (v1) drafters; this one is DFlash2. Export it with "
+                          "--format zlab (vLLM and Z Lab's package load that layout).")
     zl = c.replace(draft_vocab_size=None).to_hf_dict()
     layer = {k: v for k, v in zl.items() if k not in ("architectures", "auto_map", "block_size", "dflash_config",
                                                       "num_target_layers")}

@@ -141,6 +141,9 @@ def export_gguf(drafter: DFlashDrafter, target_gguf: str | Path, out: str | Path
 
     if gguf_type not in GGUF_TYPES:
         raise DFlashError(f"--gguf-type must be one of {sorted(GGUF_TYPES)} (got {gguf_type!r}).")
+    if drafter.config.arch != "dflash":  # never drop the selector and the convolutions silently
+        raise DFlashError("the GGUF export writes llama.cpp's DFlash (v1) drafter; this one is DFlash2. Export it "
+                          "with --format zlab.")
     target = TargetGGUF(target_gguf)
     check_fit(drafter, target, draft_vocab)
     c, (kind, file_type) = drafter.config, GGUF_TYPES[gguf_type]
