@@ -110,6 +110,16 @@ def test_speculative_sampling_matches_target_distribution(params, backend):
     assert_sampling_matches_target(eng, t, params, seed=1234)
 
 
+def test_speculative_sampling_with_the_dflash2_selector_matches_target_distribution():
+    """A DFlash2 drafter's chain (the selector's greedy path, whatever the temperature: drafts are any function of
+    the drafter's state, and each committed token is the target's own draw with its position's uniform) keeps the
+    target's distribution."""
+    t = small_target("lean")
+    eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3, arch="dflash2"), eos_token_ids=[],
+                       config=DecodeConfig())
+    assert_sampling_matches_target(eng, t, SamplingParams(temperature=1.0), seed=2468)
+
+
 def test_top_k_top_p_filtering():
     logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]]))
     s = Sampler([SamplingParams(temperature=1.0, top_p=0.7)], torch.device("cpu"))
