@@ -172,3 +172,29 @@ def test_a_dflash2_export_loads_in_zlabs_package_and_proposes_the_same(tmp_path)
         export_speculators(dr, t, "tiny", tmp_path / "s")
     with pytest.raises(DFlashError, match="DFlash2"):
         export_gguf(dr, tmp_path / "none.gguf", tmp_path / "g.gguf")
+
+
+def test_a_zlab_dflash2_checkpoint_for_smollm2_runs_from_the_cli_identical_to_ar(tmp_path, capsys):
+    """The acceptance path: a DFlash2 drafter for the real SmolLM2 target, made and saved by Z Lab's own package
+    (random, one layer), runs with `dflashkit generate --drafter DIR --compare` in bf16: identical to AR."""
+    dflash = pytest.importorskip("dflash")
+    from transformers import Qwen3Config
+
+    from dflashkit.cli import main
+
+    cfg = Qwen3Config(hidden_size=576, num_hidden_layers=1, num_attention_heads=9, num_key_value_heads=3,
+                      head_dim=64, intermediate_size=1536, vocab_size=49152, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      max_position_embeddings=8192, architectures=["DFlash2DraftModel"])
+    cfg.num_target_layers, cfg.block_size = 30, 8
+    cfg.dflash_config = {"mask_token_id": 16, "target_layer_ids": [1, 14, 27], "block_size": 8, "selector_top_k": 8,
+                         "selector_rank": 64, "conv_kernel_size": 2, "conv_group_size": 16}
+    model = dflash.DFlash2DraftModel(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones(p.shape) if name.endswith("norm.weight") else 0.02 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(tmp_path / "z")
+    assert main(["generate", "--drafter", str(tmp_path / "z"), "--prompt", "Name three colours.",
+                 "--max-new-tokens", "24", "--dtype", "bfloat16", "--compare", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
+    assert stats["identical_to_ar"] and stats["new_tokens"] >= 1
