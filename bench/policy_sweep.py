@@ -33,6 +33,8 @@ from dflashkit.loader import encode_chat, load_models
 
 METHODS = {"ar": DecodeConfig.autoregressive(), "fixed": DecodeConfig.recommended(policy="fixed"),
            "adaptive": DecodeConfig.recommended()}
+# `--aa`: plain AR a second time in the same lockstep, so that ar-again / ar shows the host's noise per cell
+CONTROL = {"ar-again": DecodeConfig.autoregressive()}
 
 
 def run_lockstep(engine, prompts, names: list[str], max_new: int) -> dict:
@@ -42,7 +44,7 @@ def run_lockstep(engine, prompts, names: list[str], max_new: int) -> dict:
     Why lockstep: this host's speed drifts +-10 % over seconds (the same AR chunk ran 2.17 s, then 2.51 s), so even
     back-to-back chunks differed by as much as the 5 % in question; steps taken in turn see the same drift. Decode =
     the steps after the first yield (every prompt prefilled and its first token sampled)."""
-    gens = {m: engine.stream(prompts, max_new_tokens=max_new, config=METHODS[m]) for m in names}
+    gens = {m: engine.stream(prompts, max_new_tokens=max_new, config={**METHODS, **CONTROL}[m]) for m in names}
     res = {m: [0, 0.0, 0.0, []] for m in names}
     started = set()
     while gens:
@@ -63,18 +65,19 @@ def run_lockstep(engine, prompts, names: list[str], max_new: int) -> dict:
     return res
 
 
-def sweep(engine, prompts, sizes, max_new, desc, base: int, min_chunks: int) -> dict:
+def sweep(engine, prompts, sizes, max_new, desc, base: int, min_chunks: int, aa: bool = False) -> dict:
     """base: prompts per batch size; big batches take more (`min_chunks` chunks of n) so no cell is one chunk."""
     out = {}
     for n in sizes:
         use = prompts[:max(base, n * min_chunks)]
         chunks = [use[i:i + n] for i in range(0, len(use), n)]
-        tot = {m: [0, 0.0, 0.0, []] for m in METHODS}
-        ratios = []
+        methods = list(METHODS) + (list(CONTROL) if aa else [])
+        tot = {m: [0, 0.0, 0.0, []] for m in methods}
+        ratios, control = [], []
         pol = engine.policy(engine.resolve(METHODS["adaptive"]))
         before = dict(vars(pol.stats))
         for k, chunk in enumerate(tqdm(chunks, desc=f"{desc} batch {n}", unit="chunk")):
-            names = turn_order(list(METHODS), k)  # who goes first and who follows whom, balanced
+            names = turn_order(methods, k)  # who goes first and who follows whom, balanced
             rate = {}
             for m, (toks, dec, total, acc) in run_lockstep(engine, chunk, names, max_new).items():
                 tot[m][0] += toks
@@ -83,6 +86,8 @@ def sweep(engine, prompts, sizes, max_new, desc, base: int, min_chunks: int) -> 
                 tot[m][3] += acc
                 rate[m] = toks / dec
             ratios.append(rate["adaptive"] / max(rate["ar"], rate["fixed"]))
+            if aa:
+                control.append(rate["ar-again"] / rate["ar"])
         after = vars(pol.stats)
         steps = max(after["steps"] - before["steps"], 1)
         rows = max(after["rows"] - before["rows"], 1)
@@ -92,6 +97,9 @@ def sweep(engine, prompts, sizes, max_new, desc, base: int, min_chunks: int) -> 
         out[str(n)]["adaptive_vs_best"] = round(out[str(n)]["adaptive"]["tokens_per_s"] / best, 4)
         out[str(n)]["adaptive_vs_best_median_chunk"] = round(statistics.median(ratios), 4)
         out[str(n)]["adaptive_vs_best_chunks"] = [round(r, 4) for r in ratios]
+        if aa:
+            out[str(n)]["aa_median_chunk"] = round(statistics.median(control), 4)
+            out[str(n)]["aa_chunks"] = [round(r, 4) for r in control]
         out[str(n)]["policy"] = {"drafter_fraction": round((after["drafter_steps"] - before["drafter_steps"]) / steps,
                                                            4),
                                  "drafter_steps": after["drafter_steps"] - before["drafter_steps"],
@@ -116,13 +124,15 @@ def report(meta: dict, res: dict, out: Path) -> str:
         sizes = sorted(int(n) for n in rows)
         md += [f"## {d}", "", f"Run: `{meta.get('runs', {}).get(d, meta['command'])}`", "",
                "| batch | ar tok/s | fixed tok/s (tau) | adaptive tok/s (tau) | adaptive / max(ar, fixed)"
-               " | median over chunks | drafter ran (steps; probes) | draft nodes / row / step |",
-               "|---|---|---|---|---|---|---|---|"]
+               " | median over chunks | A/A: AR again / AR, median | drafter ran (steps; probes)"
+               " | draft nodes / row / step |",
+               "|---|---|---|---|---|---|---|---|---|"]
         for n in sizes:
             r = rows[str(n)]
             md.append(f"| {n} | {r['ar']['tokens_per_s']:.1f} | {r['fixed']['tokens_per_s']:.1f} "
                       f"({r['fixed']['tau']:.2f}) | {r['adaptive']['tokens_per_s']:.1f} ({r['adaptive']['tau']:.2f}) "
                       f"| **{r['adaptive_vs_best']:.3f}** | {r['adaptive_vs_best_median_chunk']:.3f} | "
+                      f"{r.get('aa_median_chunk', float('nan')):.3f} | "
                       f"{100 * r['policy']['drafter_fraction']:.1f} % ({r['policy'].get('drafter_steps', '?')}; "
                       f"{r['policy'].get('probes', '?')}) | {r['policy']['nodes_per_row']:.2f} |")
         md.append("")
@@ -167,6 +177,7 @@ def main() -> int:
     ap.add_argument("--datasets", default="humaneval,mt-bench-t1",
                     help="comma list; results for other datasets already in --out are kept (one run per table)")
     ap.add_argument("--out", default="bench/results/policy-batch")
+    ap.add_argument("--aa", action="store_true", help="also plain AR a second time in each lockstep (A/A control)")
     args = ap.parse_args()
     sizes = args.batch_size or [1, 2, 4, 8, 16]
     target, tok, drafter, _ = load_models()
@@ -175,7 +186,8 @@ def main() -> int:
     sets = {d: [encode_chat(tok, it[0]) for it in load_dataset(d, need)] for d in args.datasets.split(",")}
     for m in METHODS.values():  # warm-up (and the cost model's calibration, if not cached)
         engine.generate([next(iter(sets.values()))[0]], max_new_tokens=4, config=m)
-    res = {d: sweep(engine, p, sizes, args.max_new_tokens, d, args.prompts, args.min_chunks) for d, p in sets.items()}
+    res = {d: sweep(engine, p, sizes, args.max_new_tokens, d, args.prompts, args.min_chunks, args.aa)
+           for d, p in sets.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["bench/policy_sweep.py"] + sys.argv[1:])
