@@ -198,3 +198,24 @@ def test_a_zlab_dflash2_checkpoint_for_smollm2_runs_from_the_cli_identical_to_ar
                  "--max-new-tokens", "24", "--dtype", "bfloat16", "--compare", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
     assert stats["identical_to_ar"] and stats["new_tokens"] >= 1
+
+
+def test_a_selector_ranked_tree_is_exact_and_reduces_to_the_factorised_tree():
+    """`topk_tree(conditional=...)`: with slot scores that ignore the parent it builds the factorised tree exactly;
+    with the selector's (a DFlash2 drafter's `tree`), greedy output equals AR, with the fixed and adaptive policy."""
+    from dflashkit.tree import topk_tree
+
+    g = torch.Generator().manual_seed(2)
+    toks = torch.randint(4, 90, (3, 5, 4), generator=g)
+    logp = torch.rand(3, 5, 4, generator=g).log().sort(-1, descending=True).values
+    plain = topk_tree(toks, logp, 9)
+    cond = topk_tree(toks, torch.zeros_like(logp), 9,
+                     conditional=lambda j, beam: logp[:, j, None, :].expand(3, 1 if beam is None else beam.shape[1], 4))
+    for a, b in ((plain.tokens, cond.tokens), (plain.parent, cond.parent), (plain.depth, cond.depth)):
+        assert torch.equal(a, b)
+    t = make_target("qwen3")
+    dr = make_drafter(t, block_size=6, arch="dflash2")
+    for policy in ("fixed", "adaptive"):
+        eng = DFlashEngine(t, dr, eos_token_ids=[], config=DecodeConfig(block_size=6, tree=8, policy=policy))
+        ar, _ = reference_runs(eng, PROMPTS, 24)
+        assert [x.tokens for x in eng.generate(PROMPTS, max_new_tokens=24)] == [x.tokens for x in ar]

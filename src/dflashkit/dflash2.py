@@ -95,6 +95,23 @@ class CandidateSelector(nn.Module):
         return Selection(candidates.gather(-1, pick)[..., 0], columns.gather(-1, pick)[..., 0], candidates,
                          torch.stack(scores, 1))
 
+    def conditional(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
+                    to_target: torch.Tensor | None = None):
+        """For a selector-ranked draft tree (`tree.topk_tree(conditional=...)`): each slot's top-k candidates
+        [b, D, k] (target ids) and a function (j, beam tokens [b, K'] or None for the anchor) -> [b, K', k] the
+        log-softmax over the candidates of slot j after each beam's last token."""
+        unary, columns = logits.topk(self.top_k, dim=-1)
+        candidates = columns if to_target is None else to_target[columns]
+        h = self.hidden_projection(hidden)  # [b, D, r]
+        succ = self.successor_codebook(candidates)  # [b, D, k, r]
+
+        def step(j: int, beam: torch.Tensor | None) -> torch.Tensor:
+            prev = anchor[:, None] if beam is None else beam  # [b, K']
+            s = unary[:, j, None, :] + torch.einsum("bpr,bkr->bpk", self.predecessor_codebook(prev) * h[:, j, None],
+                                                    succ[:, j])
+            return s.float().log_softmax(-1)
+        return candidates, step
+
     def init_unary(self) -> None:
         """Pairwise scores 0: the selector picks each slot's argmax, v1's chain."""
         with torch.no_grad():

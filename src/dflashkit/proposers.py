@@ -201,7 +201,7 @@ class DrafterProposer:
         """Ingest the pending features, draft one block, and return the chain or the tree of likeliest paths.
         scores: also give each node's path log-probability (the adaptive policy prunes the tree itself then)."""
         self.ingest(state, view.starts)
-        if self.drafter.candidate_selector is not None and not self.tree:
+        if self.drafter.candidate_selector is not None:
             return self._selected(state, view, scores)
         # A tree of n nodes needs at most the n best tokens per slot (its beam is then exact, `topk_tree`).
         toks, logp = self.draft(state, view, k=min(self.tree, 16) if self.tree else 1, probs=scores)
@@ -210,11 +210,17 @@ class DrafterProposer:
         return chain_nodes(toks[..., 0], logp[..., 0] if scores else None)
 
     def _selected(self, state: DraftState, view: DraftView, scores: bool) -> DraftNodes:
-        """DFlash2's chain: the candidate selector's path through each slot's top-k (`dflash2.CandidateSelector`);
-        scores: each node's path log-probability under the drafter's own (unary) distribution."""
+        """DFlash2: the chain is the candidate selector's path through each slot's top-k (`dflash2.CandidateSelector`);
+        a tree holds the paths the selector scores highest (each slot's candidates scored after its parent's token).
+        scores: each node's path log-probability (the chain: under the drafter's unary distribution)."""
         h = self._hidden(state, view)[:, 1:]
         logits = self.target.logits(h, self.head)  # [b, B-1, V']
-        sel = self.drafter.candidate_selector.select(h, logits, view.anchor, self.d2t)
+        selector = self.drafter.candidate_selector
+        if self.tree:
+            toks, step = selector.conditional(h, logits, view.anchor, self.d2t)
+            return topk_tree(toks, toks.new_zeros(toks.shape, dtype=torch.float32), self.tree,
+                             0.0 if scores else self.tree_min_prob, conditional=step)
+        sel = selector.select(h, logits, view.anchor, self.d2t)
         logp = None
         if scores:
             logp = logits.float().log_softmax(-1).gather(-1, sel.columns[..., None])[..., 0]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -76,7 +77,8 @@ def chain_nodes(chain: torch.Tensor, logp: torch.Tensor | None = None) -> DraftN
     return DraftNodes(chain, j - 1, j, m, logp=None if logp is None else logp.float().cumsum(1))
 
 
-def topk_tree(tokens: torch.Tensor, logp: torch.Tensor, n: int, min_prob: float = 0.0) -> DraftNodes:
+def topk_tree(tokens: torch.Tensor, logp: torch.Tensor, n: int, min_prob: float = 0.0,
+              conditional: Callable[[int, torch.Tensor | None], torch.Tensor] | None = None) -> DraftNodes:
     """The n most likely drafter paths, as n' = min(n, D*K) drafter nodes.
 
     tokens, logp: [b, D, K] the drafter's K best tokens per block slot 1..D and their log-probabilities,
@@ -89,14 +91,20 @@ def topk_tree(tokens: torch.Tensor, logp: torch.Tensor, n: int, min_prob: float 
 
     min_prob > 0 also drops the paths the drafter gives less than that probability, and the tree's width
     becomes the largest number of nodes any row keeps (one host sync): on a CPU every verified token costs
-    time, and a path this unlikely is not worth it. Rows with fewer nodes get dead padding."""
+    time, and a path this unlikely is not worth it. Rows with fewer nodes get dead padding.
+
+    conditional(j, beam): where slot j's log-probabilities DO depend on the token before (DFlash2's selector):
+    [b, K_beam, K] for each beam path ending in beam [b, K_beam] (j = 0: beam None, the anchor: [b, 1, K]); `logp`
+    is then unused. Children are still scored at most their parent, so the tree stays prefix-closed."""
     b, D, K = tokens.shape
     dev = tokens.device
     logp = logp.double()  # sums of many log-probs: keep the depth tie-break below exact
-    score, tok = logp[:, 0], tokens[:, 0]  # depth-1 beam: [b, K]
+    score = logp[:, 0] if conditional is None else conditional(0, None)[:, 0].double()
+    tok = tokens[:, 0]  # depth-1 beam: [b, K]
     scores, toks, parents = [score], [tok], [torch.full((b, K), -1, dtype=torch.long, device=dev)]
     for j in range(1, D):
-        cand = (score[:, :, None] + logp[:, j, None, :]).reshape(b, K * K)  # every beam path x slot j's top-K
+        step = logp[:, j, None, :] if conditional is None else conditional(j, tok).double()
+        cand = (score[:, :, None] + step).reshape(b, K * K)  # every beam path x slot j's top-K
         score, idx = cand.topk(K, dim=1)
         toks.append(tokens[:, j].gather(1, idx % K))
         parents.append((j - 1) * K + idx // K)  # flat index of the parent in the previous depth's beam
