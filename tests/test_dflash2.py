@@ -219,3 +219,15 @@ def test_a_selector_ranked_tree_is_exact_and_reduces_to_the_factorised_tree():
         eng = DFlashEngine(t, dr, eos_token_ids=[], config=DecodeConfig(block_size=6, tree=8, policy=policy))
         ar, _ = reference_runs(eng, PROMPTS, 24)
         assert [x.tokens for x in eng.generate(PROMPTS, max_new_tokens=24)] == [x.tokens for x in ar]
+
+
+def test_the_cost_model_prices_a_dflash2_drafter_on_its_own():
+    """A DFlash2 drafter of v1's shape gets its own cached step costs (its convolutions and selector walk take time),
+    the v1 drafter keeps its key."""
+    from dflashkit.proposers import DrafterProposer
+    from dflashkit.step_cost import cost_key
+
+    t = make_target("llama")
+    v1 = make_drafter(t)
+    keys = [cost_key(t, DrafterProposer(d, t, 8)) for d in (v1, dflash2_from(v1, **FIELDS))]
+    assert keys[0] != keys[1] and cost_key(t, DrafterProposer(v1, t, 8)) == keys[0]

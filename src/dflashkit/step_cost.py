@@ -226,6 +226,8 @@ def cost_key(target, proposer) -> str:
     d = proposer.drafter.config if proposer is not None else None
     draft = (d.num_hidden_layers, d.hidden_size, proposer.block_size, proposer.tree,
              None if proposer.d2t is None else len(proposer.d2t)) if d is not None else None
+    if d is not None and d.arch != "dflash":  # DFlash2's convolutions and selector walk cost their own time
+        draft += (d.arch, d.conv_kernel_size, d.selector_rank, d.selector_top_k)
     # The kernels set the costs (the drafter runs the target's, `kernel_plan.apply_to_drafter`). Why their sources
     # too (in the plan's identity): a faster kernel keeps the plan's name; priced by its predecessor's times, the
     # policy would misjudge every step (a 1-token step measured at 11.7 ms, now 8.5). "draft-ctx": models calibrated
