@@ -18,6 +18,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+def pytest_sessionstart(session):
+    """Build the CPU kernels once, in the controller, before the workers start: on a fresh machine the first build
+    takes minutes of g++, and a test with a deadline (a server start) would otherwise pay for it."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        from dflashkit import kernels
+
+        kernels.load()
+
+
 def tiny_config(arch: str):
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -208,6 +208,22 @@ def test_int8_activation_target_is_bitwise_batch_invariant_and_speculation_is_ar
     assert [g.tokens for g in eng.generate(prompts, max_new_tokens=24)] == [g.tokens for g in ar]
 
 
+def test_a_build_killed_mid_compile_does_not_hang_the_next_load():
+    """torch's builder marks a build with a `lock` file; a builder killed mid-compile (a server stopped at a test's
+    deadline) leaves it, and torch alone then waits on it forever. The next load removes it and goes on."""
+    import subprocess
+    import sys
+
+    from dflashkit.kernels import build_lock
+
+    with build_lock() as d:  # no build of ours is running while the stale mark is made
+        (d / "lock").touch()
+    code = "from dflashkit import kernels; assert kernels.load() is not None, kernels.why_unavailable()"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert not (d / "lock").exists()
+
+
 def test_kernel_flags_are_checked(tmp_path):
     hf = make_target("llama", torch.bfloat16)
     with pytest.raises(DFlashError, match="lean backend"):

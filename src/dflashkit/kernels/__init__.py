@@ -11,6 +11,7 @@ kernels.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -52,6 +53,31 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join([d for d in dict.fromkeys(dirs) if d not in path] + path)
 
 
+@contextlib.contextmanager
+def build_lock():
+    """Held while one process builds or loads the kernels. Why our own lock around torch's builder: torch marks a
+    build with a `lock` file that a killed builder leaves behind (a server stopped mid-compile, a test's deadline),
+    and every later build then waits on it forever. An flock is released by the kernel when its holder dies; whoever
+    holds it is the only builder, so a `lock` file found then is stale and is removed."""
+    import fcntl
+
+    d = _build_dir()
+    with open(d / "dflashkit-build.lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that is building dflashkit's kernels in %s", d)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        stale = d / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that was killed; building again", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield d
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def load():
     """The compiled module, or None (the reason in `why_unavailable()`). Compiles on first use (~1-2 minutes of g++
     on 2 cores)."""
@@ -73,12 +99,12 @@ def load():
         # Why the headers' hash is a build flag: torch's builder versions an extension by its sources and flags
         # only, so an edited header alone would not make it rebuild (the old .so would load).
         headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
-        mod = build(name="dflashkit_kernels", sources=[str(f) for f in SOURCES],
-                    build_directory=str(_build_dir()),
-                    # -fopenmp: at::parallel_for is OpenMP in torch's CPU build; without it the kernel runs on one
-                    # thread. The libgomp.so.1 it links is the copy torch already loaded (same soname): one runtime.
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", f"-DDFLASHKIT_HEADERS={headers}"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        with build_lock() as d:
+            mod = build(name="dflashkit_kernels", sources=[str(f) for f in SOURCES], build_directory=str(d),
+                        # -fopenmp: at::parallel_for is OpenMP in torch's CPU build; without it the kernel runs on one
+                        # thread. The libgomp.so.1 it links is the copy torch already loaded (same soname): one runtime.
+                        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", f"-DDFLASHKIT_HEADERS={headers}"],
+                        extra_ldflags=["-fopenmp"], verbose=False)
         log.info("row-invariant kernels ready (%.1f s; built or loaded from %s)", time.time() - t0, _build_dir())
         _state["mod"] = mod
     except Exception as e:  # noqa: BLE001 - any build failure means: fall back, and say why
