@@ -85,8 +85,7 @@ class CandidateSelector(nn.Module):
         h = self.hidden_projection(hidden)  # [b, D, r]
         prev, chosen, scores = anchor, [], []
         for j in range(hidden.shape[1]):
-            s = unary[:, j] + torch.einsum("br,bkr->bk", self.predecessor_codebook(prev) * h[:, j],
-                                           self.successor_codebook(candidates[:, j]))
+            s = unary[:, j] + self.pairwise(prev[:, None], h[:, j], self.successor_codebook(candidates[:, j]))[:, 0]
             index = s.argmax(-1)
             prev = candidates[:, j].gather(-1, index[:, None])[:, 0]
             chosen.append(index)
@@ -107,10 +106,15 @@ class CandidateSelector(nn.Module):
 
         def step(j: int, beam: torch.Tensor | None) -> torch.Tensor:
             prev = anchor[:, None] if beam is None else beam  # [b, K']
-            s = unary[:, j, None, :] + torch.einsum("bpr,bkr->bpk", self.predecessor_codebook(prev) * h[:, j, None],
-                                                    succ[:, j])
+            s = unary[:, j, None, :] + self.pairwise(prev, h[:, j], succ[:, j])
             return s.float().log_softmax(-1)
         return candidates, step
+
+    def pairwise(self, prev: torch.Tensor, h: torch.Tensor, succ: torch.Tensor) -> torch.Tensor:
+        """The low-rank pairwise score, the one place it is written (decoding, trees, the training objective):
+        prev [..., P] predecessor ids, h [..., r] the slot's projected drafter state, succ [..., k, r] the
+        candidates' successor codes -> [..., P, k] <pred(prev) * h, succ(candidate)>."""
+        return torch.einsum("...pr,...kr->...pk", self.predecessor_codebook(prev) * h[..., None, :], succ)
 
     def init_unary(self) -> None:
         """Pairwise scores 0: the selector picks each slot's argmax, v1's chain."""

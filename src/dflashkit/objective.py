@@ -195,9 +195,8 @@ def selector_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor, s
         last = torch.where(has, unary[:, -1], logits.gather(1, lab[:, None])[:, 0])
         cand = torch.cat([cand[:, :-1], torch.where(has, cand[:, -1], lab)[:, None]], 1)
         unary = torch.cat([unary[:, :-1], last[:, None]], 1)
-        scores = unary + torch.einsum("mr,mkr->mk", (selector.predecessor_codebook(pc)
-                                                      * selector.hidden_projection(hc)).float(),
-                                      selector.successor_codebook(cand).float())
+        scores = unary + selector.pairwise(pc[:, None], selector.hidden_projection(hc),
+                                           selector.successor_codebook(cand))[:, 0].float()
         total = total + (F.cross_entropy(scores, place, reduction="none") * weights[lo:lo + chunk]).sum()
         hits = hits + ((scores.argmax(-1) == place) & has).sum().float()
         held = held + has.sum().float()
