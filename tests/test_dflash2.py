@@ -144,6 +144,36 @@ def test_training_a_dflash2_drafter_from_a_v1_drafter_learns_the_selector(tmp_pa
     assert back.config.arch == "dflash2"
 
 
+def test_selector_only_training_step_gives_the_full_steps_selector_gradient():
+    """train_only="selector" runs the layers without a graph and one logits pass: the selector's gradient and the
+    per-slot argmax counts equal the full step's (whose unary loss does not depend on the selector)."""
+    from contextlib import nullcontext
+
+    from dflashkit.train import TrainConfig, train_step_loss
+
+    t = make_target("llama", dtype=torch.float32, backend="lean")
+    dr = make_drafter(t, block_size=8, arch="dflash2").float()
+    with torch.no_grad():  # a selector that scores pairs (not the unary init)
+        dr.candidate_selector.predecessor_codebook.weight.normal_(0, 0.5)
+    t.set_taps(dr.config.target_layer_ids)
+    ids = torch.randint(4, V, (2, 40), generator=torch.Generator().manual_seed(0))
+    lm = torch.zeros_like(ids, dtype=torch.bool)
+    lm[:, 12:] = True
+    out = {}
+    for only in ("all", "selector"):
+        cfg = TrainConfig(out_dir="-", data_dir="-", block_size=8, num_anchors=4, train_only=only)
+        dr.zero_grad(set_to_none=True)
+        loss, st = train_step_loss(dr, t, ids, lm, cfg, torch.Generator().manual_seed(1), nullcontext)
+        loss.backward()
+        out[only] = ([p.grad.clone() for p in dr.candidate_selector.parameters()], st)
+    for a, b in zip(out["all"][0], out["selector"][0]):
+        assert torch.allclose(a, b, atol=1e-6)
+    full, fast = out["all"][1], out["selector"][1]
+    assert torch.equal(full["correct"], fast["correct"]) and torch.equal(full["count"], fast["count"])
+    assert float(full["selector_loss"]) == pytest.approx(float(fast["selector_loss"]), rel=1e-6)
+    assert fast["count"].sum() > 0 and not any(p.grad is not None for p in dr.layers.parameters())
+
+
 def test_a_dflash2_export_loads_in_zlabs_package_and_proposes_the_same(tmp_path):
     """`export_zlab` of our DFlash2 drafter: Z Lab's `DFlash2DraftModel.from_pretrained` loads it (all tensors
     present) and proposes our path; the speculators and GGUF exports refuse it rather than drop the selector."""

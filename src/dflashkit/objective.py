@@ -168,18 +168,20 @@ def decode_path_tau(runs: list[int]) -> tuple[int, int]:
 
 
 def selector_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor, selector, softcap: float | None = None,
-                  chunk: int = 4096):
+                  chunk: int = 4096, unary_stats: bool = False):
     """DFlash2's selector objective (speculators' `dflash2`): at each supervised slot, a top_k-way cross-entropy over
     the drafter's top-k unary candidates (the label put in the last place where the top-k misses it), scored by the
     selector with the TRUE previous token as predecessor (teacher forcing: the anchor before slot 1), weighted by the
     slots' decayed weights. hidden: [B, N*Bq, H]. Returns (loss, stats: selector hits on slots whose top-k held the
-    label, and those slots)."""
+    label, and those slots; with unary_stats also `dflash_loss`'s per-slot argmax counts, from the same logits)."""
     w, Bq = blocks.weights, blocks.block_size
     sel = w > 0
     # Why the roll: slot s's predecessor is the token at s - 1: the anchor (`ids`) for s = 1, else the label there.
     first = (torch.arange(w.shape[1], device=w.device) % Bq == 1)[None]
     prev_all = torch.where(first, blocks.ids.roll(1, dims=1), blocks.labels.roll(1, dims=1))
     h, labels, weights, prev = hidden[sel], blocks.labels[sel], w[sel], prev_all[sel]
+    slot = torch.nonzero(sel)[:, 1] % Bq
+    correct = torch.zeros(Bq, device=h.device)
     k = selector.top_k
     total = h.new_zeros((), dtype=torch.float32)
     hits = held = h.new_zeros((), dtype=torch.float32)
@@ -189,6 +191,8 @@ def selector_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor, s
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         unary, cand = logits.topk(k, dim=-1)  # [m, k]
+        if unary_stats:
+            correct.index_add_(0, slot[lo:lo + chunk], (cand[:, 0] == lab).float())
         match = cand == lab[:, None]
         has = match.any(-1)
         place = torch.where(has, match.int().argmax(-1), k - 1)  # the label's place among the candidates
@@ -200,4 +204,8 @@ def selector_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor, s
         total = total + (F.cross_entropy(scores, place, reduction="none") * weights[lo:lo + chunk]).sum()
         hits = hits + ((scores.argmax(-1) == place) & has).sum().float()
         held = held + has.sum().float()
-    return total / weights.sum().clamp(min=1e-6), {"selector_hits": hits.detach(), "selector_held": held.detach()}
+    stats = {"selector_hits": hits.detach(), "selector_held": held.detach()}
+    if unary_stats:
+        stats.update(correct=correct, count=torch.zeros(Bq, device=h.device).index_add_(0, slot, torch.ones_like(
+            slot, dtype=torch.float32)))
+    return total / weights.sum().clamp(min=1e-6), stats

@@ -155,13 +155,25 @@ def features_and_blocks(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: 
 
 def train_step_loss(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: torch.Generator, autocast, vocab=None):
     """vocab: None, or (d2t_head [Vd, H], t2d [V]) for a reduced draft vocabulary."""
+    selector = unwrap(drafter).candidate_selector
+    if cfg.train_only == "selector":
+        # Why a separate path: no gradient reaches the target or the drafter's layers, so their forward runs without
+        # a graph, and one logits pass gives both the selector's loss and the per-slot stats (the frozen unary loss
+        # is not computed: it cannot change). About half a full step's time on a CPU.
+        with torch.no_grad():
+            taps, blocks = features_and_blocks(drafter, target, ids, loss_mask, cfg, gen)
+            with autocast():
+                hidden = training_forward(drafter, target.embed, taps, blocks)
+        with autocast():
+            loss, stats = selector_loss(hidden, blocks, target.lm_head_weight, selector, softcap=target.softcap,
+                                        unary_stats=True)
+        return loss, {**stats, "selector_loss": loss.detach()}
     taps, blocks = features_and_blocks(drafter, target, ids, loss_mask, cfg, gen)
     head, t2d = vocab if vocab is not None else (None, None)
     with autocast():
         hidden = training_forward(drafter, target.embed, taps, blocks)
         loss, stats = dflash_loss(hidden, blocks, target.lm_head_weight, cfg.block_size, softcap=target.softcap,
                                   d2t_head=head, t2d=t2d)
-        selector = unwrap(drafter).candidate_selector
         if selector is not None:  # DFlash2: unary + alpha * selector (over the full vocabulary's top-k)
             extra, more = selector_loss(hidden, blocks, target.lm_head_weight, selector, softcap=target.softcap)
             loss, stats = loss + cfg.selector_alpha * extra, {**stats, **more, "selector_loss": extra.detach()}
