@@ -162,6 +162,15 @@ def report(meta: dict, res: dict, out: Path) -> str:
     return "\n".join(md)
 
 
+def looks_of(pol) -> dict:
+    """The policy's estimate of a look's value and host ms (EMAs) and its plain-run length; the names of the
+    policy before the policy seam (e4f65e5) are read too, so that a before/after comparison reports both."""
+    looks = getattr(pol, "looks", None)
+    if looks is not None:
+        return {"value_ms": looks.value, "host_ms": looks.ms, "plain_span": looks.plain_span}
+    return {"value_ms": pol.look_value, "host_ms": pol.look_ms, "plain_span": pol.plain_span}
+
+
 def main() -> int:
     import torch
 
@@ -178,10 +187,21 @@ def main() -> int:
                     help="comma list; results for other datasets already in --out are kept (one run per table)")
     ap.add_argument("--out", default="bench/results/policy-batch")
     ap.add_argument("--aa", action="store_true", help="also plain AR a second time in each lockstep (A/A control)")
+    ap.add_argument("--cost", default=None,
+                    help="a step cost model (JSON: the `cost_model` of an earlier policy_sweep.json, or a cost.json "
+                         "entry) instead of the cached one: two versions of the code compared on one model")
+    ap.add_argument("--looks", action="store_true",
+                    help="also report what the policy learned of its looks (their value and host ms; plain runs)")
     args = ap.parse_args()
     sizes = args.batch_size or [1, 2, 4, 8, 16]
     target, tok, drafter, _ = load_models()
     engine = DFlashEngine(target, drafter, tokenizer=tok)
+    if args.cost:
+        from dflashkit.step_cost import CostModel
+
+        saved = json.loads(Path(args.cost).read_text())
+        saved = saved["meta"]["cost_model"] if "meta" in saved else saved
+        engine.cost = CostModel(**{k: v for k, v in saved.items() if k in CostModel.__dataclass_fields__})
     need = max([args.prompts] + [n * args.min_chunks for n in sizes])
     sets = {d: [encode_chat(tok, it[0]) for it in load_dataset(d, need)] for d in args.datasets.split(",")}
     for m in METHODS.values():  # warm-up (and the cost model's calibration, if not cached)
@@ -202,7 +222,9 @@ def main() -> int:
             "threads": torch.get_num_threads(), "exactness": mode(target),
             "backend": getattr(target, "engine_name", type(target).__name__),
             "calibration": engine.policy(engine.resolve(METHODS["adaptive"])).acc.report(),
-            "cost_model": vars(engine.policy(engine.resolve(METHODS["adaptive"])).cost)}
+            "cost_model": vars(engine.policy(engine.resolve(METHODS["adaptive"])).cost), "cost_from": args.cost}
+    if args.looks:
+        meta["looks"] = looks_of(engine.policy(engine.resolve(METHODS["adaptive"])))
     (out / "policy_sweep.json").write_text(json.dumps({"meta": meta, "results": res}, indent=2) + "\n")
     print(report(meta, res, out))
     return 0
