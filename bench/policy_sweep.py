@@ -166,7 +166,7 @@ def looks_of(pol) -> dict:
     """The policy's estimate of a look's value and host ms (EMAs) and its plain-run length; the names of the
     policy before the policy seam (e4f65e5) are read too, so that a before/after comparison reports both."""
     looks = getattr(pol, "looks", None)
-    if looks is not None:
+    if looks is not None and not callable(looks):
         return {"value_ms": looks.value, "host_ms": looks.ms, "plain_span": looks.plain_span}
     return {"value_ms": pol.look_value, "host_ms": pol.look_ms, "plain_span": pol.plain_span}
 

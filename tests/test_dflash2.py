@@ -131,9 +131,10 @@ def test_training_a_dflash2_drafter_from_a_v1_drafter_learns_the_selector(tmp_pa
     train(TrainConfig.from_file(recipe(tmp_path, target_dir, data, "v1", steps=3)))
     v1 = load_drafter(tmp_path / "v1" / "drafter")
     cfg = TrainConfig.from_file(recipe(tmp_path, target_dir, data, "v2", steps=6, arch="dflash2",
-                                       init_from=str(tmp_path / "v1" / "drafter"), lr=3e-3))
+                                       init_from=str(tmp_path / "v1" / "drafter"), lr=3e-3, selector_rank=8))
     v2 = train(cfg)
     assert v2.config.arch == "dflash2" and v2.config.num_hidden_layers == v1.config.num_hidden_layers
+    assert v2.config.selector_rank == 8
     log = [json.loads(x) for x in (tmp_path / "v2" / "train_log.jsonl").read_text().splitlines()]
     assert all("selector_loss" in r and 0 <= r["selector_acc"] <= 1 for r in log)
     assert log[-1]["selector_loss"] < log[0]["selector_loss"]

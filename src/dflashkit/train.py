@@ -48,6 +48,7 @@ class TrainConfig:
     # where it drafts exactly v1's chain (`drafter.dflash2_from`). selector_alpha weighs the selector's loss.
     arch: str = "dflash"
     selector_alpha: float = 1.0
+    selector_rank: int | None = None  # the selector's codebook rank (None: DFlashConfig's, 256 as Z Lab's)
     # What trains: "all"; "selector" (the candidate selector alone: no gradient runs through the layers, a fine-tune
     # of a converted v1 drafter at a fraction of a full step's cost on a CPU); "dflash2" (the selector and the
     # convolutions).
@@ -275,11 +276,18 @@ def build_drafter(cfg: TrainConfig, target, tokenizer) -> DFlashDrafter:
         raise DFlashError(f"arch must be one of {', '.join(ARCHS)} (got {cfg.arch!r}).")
     if cfg.init_from:
         drafter = load_drafter(cfg.init_from)
-        return dflash2_from(drafter) if cfg.arch == "dflash2" and drafter.config.arch == "dflash" else drafter
+        if cfg.arch == "dflash2" and drafter.config.arch == "dflash":
+            return dflash2_from(drafter, **_selector_fields(cfg))
+        return drafter
     mask = cfg.mask_token_id if cfg.mask_token_id is not None else choose_mask_token_id(tokenizer)
     dc = default_drafter_config(target, mask, num_layers=cfg.num_layers, block_size=cfg.block_size,
                                 target_layer_ids=cfg.target_layer_ids or None)
-    return DFlashDrafter(dc.replace(arch=cfg.arch)).init_weights(cfg.seed)
+    return DFlashDrafter(dc.replace(arch=cfg.arch, **(_selector_fields(cfg) if cfg.arch == "dflash2" else {}))
+                         ).init_weights(cfg.seed)
+
+
+def _selector_fields(cfg: TrainConfig) -> dict:
+    return {} if cfg.selector_rank is None else {"selector_rank": cfg.selector_rank}
 
 
 def _prepare(cfg: TrainConfig, target, tokenizer, device):
