@@ -21,13 +21,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 from dflashkit import DecodeConfig, DFlashEngine
 from dflashkit.bench import turn_order
+from dflashkit.bench.runner import run_lockstep as lockstep
 from dflashkit.bench.datasets import load_dataset
 from dflashkit.loader import encode_chat, load_models
 
@@ -38,31 +38,9 @@ CONTROL = {"ar-again": DecodeConfig.autoregressive()}
 
 
 def run_lockstep(engine, prompts, names: list[str], max_new: int) -> dict:
-    """Every method decodes the same prompts IN LOCKSTEP: one step of each in turn (prefills first), each timed on
-    its own. -> per method [tokens after the first, decode seconds, total seconds, accepted lengths].
-
-    Why lockstep: this host's speed drifts +-10 % over seconds (the same AR chunk ran 2.17 s, then 2.51 s), so even
-    back-to-back chunks differed by as much as the 5 % in question; steps taken in turn see the same drift. Decode =
-    the steps after the first yield (every prompt prefilled and its first token sampled)."""
-    gens = {m: engine.stream(prompts, max_new_tokens=max_new, config={**METHODS, **CONTROL}[m]) for m in names}
-    res = {m: [0, 0.0, 0.0, []] for m in names}
-    started = set()
-    while gens:
-        for m in list(gens):
-            t0 = time.perf_counter()
-            step = next(gens[m], None)
-            dt = time.perf_counter() - t0
-            if step is None:
-                del gens[m]
-                continue
-            r = res[m]
-            r[2] += dt
-            if m in started:
-                r[0] += sum(len(o.tokens) for o in step)
-                r[1] += dt
-            started.add(m)
-            r[3] += [a for o in step if o.finished for a in o.stats.accepted]
-    return res
+    """The methods `names` (in that turn order) decode `prompts` in lockstep (`runner.run_lockstep`)."""
+    return lockstep({m: engine.stream(prompts, max_new_tokens=max_new, config={**METHODS, **CONTROL}[m])
+                     for m in names})
 
 
 def sweep(engine, prompts, sizes, max_new, desc, base: int, min_chunks: int, aa: bool = False) -> dict:
@@ -79,12 +57,12 @@ def sweep(engine, prompts, sizes, max_new, desc, base: int, min_chunks: int, aa:
         for k, chunk in enumerate(tqdm(chunks, desc=f"{desc} batch {n}", unit="chunk")):
             names = turn_order(methods, k)  # who goes first and who follows whom, balanced
             rate = {}
-            for m, (toks, dec, total, acc) in run_lockstep(engine, chunk, names, max_new).items():
-                tot[m][0] += toks
-                tot[m][1] += dec
-                tot[m][2] += total
-                tot[m][3] += acc
-                rate[m] = toks / dec
+            for m, r in run_lockstep(engine, chunk, names, max_new).items():
+                tot[m][0] += r.tokens
+                tot[m][1] += r.decode_s
+                tot[m][2] += r.total_s
+                tot[m][3] += r.accepted
+                rate[m] = r.tokens_per_s
             ratios.append(rate["adaptive"] / max(rate["ar"], rate["fixed"]))
             if aa:
                 control.append(rate["ar-again"] / rate["ar"])

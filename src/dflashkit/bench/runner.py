@@ -109,6 +109,47 @@ def turn_order(names: list[str], k: int) -> list[str]:
     return cycle[r:] + cycle[:r]
 
 
+@dataclass
+class LockstepRun:
+    """One method's share of a lockstep comparison (`run_lockstep`)."""
+
+    tokens: int = 0  # tokens generated after each prompt's first
+    decode_s: float = 0.0  # the time of the steps that generated them
+    total_s: float = 0.0  # every step, the prefill's included
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per verify step, of the finished rows
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.decode_s if self.decode_s else 0.0
+
+
+def run_lockstep(streams: dict) -> dict[str, LockstepRun]:
+    """streams: name -> an engine's `stream(...)` iterator over the same prompts. Every method advances IN LOCKSTEP:
+    one step of each in turn (the order `turn_order` gives), each step timed on its own.
+
+    Why lockstep: a shared host's speed drifts +-10 % over seconds (the same AR chunk ran 2.17 s, then 2.51 s), so
+    even back-to-back chunks differed by as much as the 5 % in question; steps taken in turn see the same drift.
+    Decode = the steps after the first yield (every prompt prefilled and its first token sampled)."""
+    res = {m: LockstepRun() for m in streams}
+    gens, started = dict(streams), set()
+    while gens:
+        for m in list(gens):
+            t0 = time.perf_counter()
+            step = next(gens[m], None)
+            dt = time.perf_counter() - t0
+            if step is None:
+                del gens[m]
+                continue
+            r = res[m]
+            r.total_s += dt
+            if m in started:
+                r.tokens += sum(len(o.tokens) for o in step)
+                r.decode_s += dt
+            started.add(m)
+            r.accepted += [a for o in step if o.finished for a in o.stats.accepted]
+    return res
+
+
 def run_interleaved(methods: dict, items: list[list[str]], tok, max_new: int, desc: str) -> dict[str, list[Turn]]:
     """Every method on every item, item by item: each item runs under every method in turn before the next item.
     Why: a shared host's speed drifts by 10-30 % over minutes; methods run back to back over all items would each
