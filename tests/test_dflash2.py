@@ -177,7 +177,8 @@ def test_selector_only_training_step_gives_the_full_steps_selector_gradient():
 
 def test_a_dflash2_export_loads_in_zlabs_package_and_proposes_the_same(tmp_path):
     """`export_zlab` of our DFlash2 drafter: Z Lab's `DFlash2DraftModel.from_pretrained` loads it (all tensors
-    present) and proposes our path; the speculators and GGUF exports refuse it rather than drop the selector."""
+    present) and proposes our path. The speculators export writes speculators' `dflash2` layout (its loading by
+    speculators itself: scripts/validate_exports.py); the GGUF export refuses it rather than drop the selector."""
     dflash = pytest.importorskip("dflash")
     from dflashkit.export import export_speculators, export_zlab
     from dflashkit.gguf_export import export_gguf
@@ -199,8 +200,16 @@ def test_a_dflash2_export_loads_in_zlabs_package_and_proposes_the_same(tmp_path)
                torch.ones(1, 1, 8, S + 8, dtype=torch.bool))[:, 1:]
     assert (h - ref_h).abs().max() <= 1e-5
     assert torch.equal(dr.candidate_selector.select(h, head(h), block[:, 0]).path, ref_path)
-    with pytest.raises(DFlashError, match="DFlash2"):
-        export_speculators(dr, t, "tiny", tmp_path / "s")
+    export_speculators(dr, t, "tiny", tmp_path / "s", dtype=None)
+    cfg = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dflash2" and cfg["speculators_config"]["algorithm"] == "dflash2"
+    assert all(cfg[k] == getattr(dr.config, k) for k in FIELDS) and cfg["draft_vocab_size"] == t.vocab_size
+    written = load_file(tmp_path / "s" / "model.safetensors")
+    ours = dr.state_dict()
+    assert torch.equal(written["candidate_selector.predecessor_codebook"],
+                       ours["candidate_selector.predecessor_codebook.weight"])
+    assert "candidate_selector.successor_codebook" in written and "layers.0.mlp_conv.base_kernel" in written
+    assert len(written) == len(ours)
     with pytest.raises(DFlashError, match="DFlash2"):
         export_gguf(dr, tmp_path / "none.gguf", tmp_path / "g.gguf")
 

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from .checkpoint import CONFIG, WEIGHTS, atomic_write
+from .config import DFLASH2_FIELDS
 from .drafter import DFlashDrafter
 from .errors import DFlashError
 
@@ -84,9 +85,7 @@ def export_speculators(drafter: DFlashDrafter, target, target_name: str, out: st
     """vLLM speculators layout (as speculators 0.9.0 saves it): the draft body only; the embedding, LM head
     and verifier norm are reloaded from the verifier named in `speculators_config.verifier`."""
     c = drafter.config
-    if c.arch != "dflash":  # its layout (`dflash2` in speculators) is not written yet: never drop the selector silently
-        raise DFlashError("the speculators export writes DFlash (v1) drafters; this one is DFlash2. Export it with "
-                          "--format zlab (vLLM and Z Lab's package load that layout).")
+    v2 = c.arch == "dflash2"
     zl = c.replace(draft_vocab_size=None).to_hf_dict()
     layer = {k: v for k, v in zl.items() if k not in ("architectures", "auto_map", "block_size", "dflash_config",
                                                       "num_target_layers")}
@@ -97,10 +96,12 @@ def export_speculators(drafter: DFlashDrafter, target, target_name: str, out: st
         raise DFlashError("the drafter taps the target's last layer, which the speculators layout cannot express; "
                           "export it with --format zlab.")
     tensors = _state(drafter, dtype)
+    if v2:  # speculators' codebooks are bare parameters (Z Lab's checkpoints may carry either name)
+        tensors = {k.removesuffix(".weight") if "_codebook." in k else k: v for k, v in tensors.items()}
     arch = [target.architecture]
     cfg = {
-        "architectures": ["DFlashSpeculator"],
-        "speculators_model_type": "dflash",
+        "architectures": ["DFlash2DraftModel" if v2 else "DFlashSpeculator"],
+        "speculators_model_type": c.arch,
         "speculators_version": "0.9.0",
         "draft_vocab_size": c.vocab_size,
         "block_size": c.block_size,
@@ -110,12 +111,17 @@ def export_speculators(drafter: DFlashDrafter, target, target_name: str, out: st
         "sample_from_anchor": False,
         "transformer_layer_config": layer,
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": c.arch,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.block_size - 1}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": target_name, "architectures": arch},
         },
         "torch_dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
     }
-    check_export(cfg, tensors, SPECULATORS_REQUIRED_CONFIG, c.num_hidden_layers)
+    if v2:
+        # No sliding-window draft layers here (config.py refuses them), so sliding_window_non_causal changes nothing;
+        # written as speculators' own dflash2 default.
+        cfg.update({f: getattr(c, f) for f in DFLASH2_FIELDS}, sliding_window_non_causal=True)
+    named = {k + ".weight" if k.endswith("_codebook") else k: v for k, v in tensors.items()}
+    check_export(cfg, named, SPECULATORS_REQUIRED_CONFIG, c.num_hidden_layers, c.arch)
     return _write(Path(out), cfg, tensors)
