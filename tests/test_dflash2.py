@@ -143,6 +143,16 @@ def test_training_a_dflash2_drafter_from_a_v1_drafter_learns_the_selector(tmp_pa
                                      torch.zeros_like(v2.candidate_selector.predecessor_codebook.weight))
     back = load_drafter(tmp_path / "v2" / "drafter")
     assert back.config.arch == "dflash2"
+    # The CLI: `dflashkit train --config RECIPE --arch dflash2 --init-from V1` (the flags win over the recipe's
+    # defaults), the selector alone
+    from dflashkit.cli import main
+
+    cli = recipe(tmp_path, target_dir, data, "v2cli", steps=2, train_only="selector", selector_rank=4)
+    assert main(["train", "--config", str(cli), "--arch", "dflash2", "--init-from",
+                 str(tmp_path / "v1" / "drafter")]) == 0
+    made = load_drafter(tmp_path / "v2cli" / "drafter")
+    assert made.config.arch == "dflash2" and made.config.selector_rank == 4
+    assert torch.equal(made.layers[0].mlp.up_proj.weight, v1.layers[0].mlp.up_proj.weight)  # only the selector trained
 
 
 def test_selector_only_training_step_gives_the_full_steps_selector_gradient():

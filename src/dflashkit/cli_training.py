@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from .cli_flags import Help, add_target_flags
@@ -45,6 +46,8 @@ def cmd_train(args) -> int:
             raise DFlashError("give --out DIR (the whole path: prompts, data, training, check) or --config "
                               "RECIPE.json.")
         cfg = TrainConfig.from_file(args.config)
+        flags = {k: v for k, v in (("arch", args.arch), ("init_from", args.init_from)) if v is not None}
+        cfg = dataclasses.replace(cfg, **flags)  # the flags win over the file, as in the one-command run
         train(cfg)
         print(json.dumps({"out_dir": cfg.out_dir}))
         return 0
