@@ -66,6 +66,33 @@ for d in torch.load(sys.argv[2]):
     out["max_abs_score_diff"] = max(out["max_abs_score_diff"], float((scores - d["scores"][0]).abs().max()))
     out["max_abs_hidden_diff"] = max(out["max_abs_hidden_diff"], float((h - d["hidden"][0]).abs().max()))
     out["max_abs_logit"] = max(out["max_abs_logit"], float(lg.abs().max()))
+# A checkpoint made by speculators itself: its selector and convolutions moved off our values, saved by its own
+# save_pretrained; its hidden states, logits and selector scores (predecessors: the unary argmax chain) on the first
+# input, for dflashkit to load and match.
+torch.manual_seed(1)
+with torch.no_grad():
+    for n, p in m.named_parameters():
+        if "conv" in n or "candidate_selector" in n:
+            p.add_(0.02 * torch.randn_like(p))
+m.save_pretrained(sys.argv[3])
+d = torch.load(sys.argv[2])[0]
+taps, block = d["taps"], d["block"]
+S, Q = taps.shape[1], block.shape[1]
+T = S + Q + 1
+hs = torch.cat([taps, torch.randn(1, T - S, taps.shape[-1])], dim=1)
+ids = torch.zeros(1, T, dtype=torch.long)
+ids[0, S] = block[0, 0]
+lm = torch.zeros(1, T)
+lm[0, S] = 1
+with torch.no_grad():
+    hidden, logits, *_ = m._backbone_forward(hs, ids, lm, torch.randn(1, T, cfg.transformer_layer_config.hidden_size),
+                                             torch.zeros(1, T, dtype=torch.long), max_anchors=1)
+    h, lg = hidden[0, 1:Q], logits[0, 1:Q].float()
+    cand = lg.topk(m.candidate_selector.top_k, dim=-1).indices
+    pred = torch.cat([block[0, :1], lg.argmax(-1)[:-1]])
+    scores = m.candidate_selector.score_candidates(lg, h, pred, cand)
+torch.save({"hidden": h, "logits": lg, "candidates": cand, "predecessors": pred, "scores": scores},
+           sys.argv[3] + "/theirs.pt")
 print(json.dumps(out))
 """
 
@@ -78,6 +105,38 @@ def contexts(target, tok, n: int, answer: int = 32, every: int = 8):
         out = engine.generate([ids], max_new_tokens=answer, config=DecodeConfig.autoregressive())[0].tokens
         full = torch.tensor([ids + list(out)])
         yield full, list(range(len(ids), full.shape[1] - 1, every))
+
+
+def load_theirs(made: Path, first: dict, target, tok, prompts: int) -> dict:
+    """A DFlash2 checkpoint saved by speculators' own code: dflashkit loads it (its layout, the target's layer
+    count), matches its hidden states, logits and selector scores, and decodes with it exactly as AR (greedy)."""
+    theirs = torch.load(made / "theirs.pt")
+    dr = load_drafter(made, dtype=torch.float32, num_target_layers=target.num_layers).eval()
+    c, block, taps = dr.config, first["block"], first["taps"]
+    S = taps.shape[1]
+    pos = torch.arange(S + c.block_size)[None]
+    with torch.no_grad():
+        h = dr(target.embed(block).float(), pos[:, S:], dr.context_kv(dr.fuse(taps), pos[:, :S]),
+               torch.ones(1, 1, c.block_size, S + c.block_size, dtype=torch.bool))[0, 1:]
+        lg = target.logits(h[None])[0].float()
+        sel = dr.candidate_selector
+        pair = sel.pairwise(theirs["predecessors"][:, None], sel.hidden_projection(h),
+                            sel.successor_codebook(theirs["candidates"]))[:, 0]
+        scores = lg.gather(-1, theirs["candidates"]) + pair
+    engine = DFlashEngine(target, dr, tokenizer=tok)
+    ids = [encode_chat(tok, it[0]) for it in load_dataset("sharegpt-heldout", prompts)][:4]
+    ar = engine.generate(ids, max_new_tokens=32, config=DecodeConfig.autoregressive())
+    chain = engine.generate(ids, max_new_tokens=32, config=DecodeConfig(block_size=c.block_size, policy="fixed"))
+    return {"max_abs_hidden_diff": float((h - theirs["hidden"]).abs().max()),
+            "max_abs_logit_diff": float((lg - theirs["logits"]).abs().max()),
+            "max_abs_score_diff": float((scores - theirs["scores"]).abs().max()),
+            "greedy_prompts": len(ids),
+            "greedy_identical_to_ar": sum(a.tokens == b.tokens for a, b in zip(ar, chain))}
+
+
+def made_ok(m: dict) -> bool:
+    return (m.get("max_abs_hidden_diff", 1) <= 1e-5 and m.get("max_abs_score_diff", 1) <= 1e-4
+            and m.get("greedy_prompts", 0) > 0 and m.get("greedy_identical_to_ar") == m.get("greedy_prompts"))
 
 
 def main() -> int:
@@ -122,10 +181,12 @@ def main() -> int:
     torch.save(spec_inputs, tmp / "ref.pt")
     python = ROOT / ".venv-speculators/bin/python"
     if python.exists():
-        run = subprocess.run([str(python), "-c", SPEC_CHECK, str(tmp / "s"), str(tmp / "ref.pt")],
+        run = subprocess.run([str(python), "-c", SPEC_CHECK, str(tmp / "s"), str(tmp / "ref.pt"), str(tmp / "made")],
                              capture_output=True, text=True, timeout=1800)
         lines = [x for x in run.stdout.splitlines() if x.startswith("{")]
         spec = json.loads(lines[-1]) if lines else {"error": run.stderr[-3000:]}
+        if lines:
+            spec["made_by_speculators"] = load_theirs(tmp / "made", spec_inputs[0], target, tok, args.prompts)
     else:
         spec = {"skipped": "no .venv-speculators: build it with scripts/speculators-env.sh"}
     report = {"drafter": args.drafter, "prompts": args.prompts, "zlab": z, "speculators": spec,
@@ -136,7 +197,8 @@ def main() -> int:
               and spec.get("max_abs_hidden_diff", 1) <= 1e-5 and spec.get("max_abs_score_diff", 1) <= 1e-5
               # the logits: 1e-6 of the largest (a few float32 ulps; the LM head sums 576 products of hidden states
               # that differ by float32 rounding, its attention running over a longer, masked key set)
-              and spec.get("max_abs_logit_diff", 1) <= 1e-6 * max(spec.get("max_abs_logit", 0), 1.0)}
+              and spec.get("max_abs_logit_diff", 1) <= 1e-6 * max(spec.get("max_abs_logit", 0), 1.0)
+              and made_ok(spec.get("made_by_speculators") or {})}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -150,6 +212,8 @@ def main() -> int:
           f"{spec.get('max_abs_hidden_diff', float('nan')):.2e}, logits {spec.get('max_abs_logit_diff', float('nan')):.2e}"
           f" (largest logit {spec.get('max_abs_logit', float('nan')):.1f}), selector scores "
           f"{spec.get('max_abs_score_diff', float('nan')):.2e} |", "",
+          f"A checkpoint saved by speculators' own `save_pretrained` (its selector and convolutions moved off ours), "
+          f"loaded by dflashkit: {json.dumps(spec.get('made_by_speculators'))}", "",
           f"Z Lab: {'PASS' if report['zlab_pass'] else 'FAIL'}; speculators: "
           f"{'PASS' if report['speculators_pass'] else 'FAIL'} (thresholds: every path and top-k equal; hidden "
           "states and selector scores 1e-5; logits 1e-6 of the largest logit)."]

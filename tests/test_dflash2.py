@@ -224,6 +224,23 @@ def test_a_dflash2_export_loads_in_zlabs_package_and_proposes_the_same(tmp_path)
         export_gguf(dr, tmp_path / "none.gguf", tmp_path / "g.gguf")
 
 
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_the_speculators_layout_loads_back_identical(tmp_path, arch):
+    """`export_speculators` then `load_drafter`: the same config and every tensor equal, for v1 and DFlash2. The layout
+    does not record the target's layer count: without it the load names the remedy."""
+    from dflashkit.export import export_speculators
+
+    t = make_target("qwen3", dtype=torch.float32)
+    dr = make_drafter(t, block_size=8, arch=arch).float()
+    export_speculators(dr, t, "tiny", tmp_path / "s", dtype=None)
+    back = load_drafter(tmp_path / "s", num_target_layers=t.num_layers)
+    assert back.config == dr.config
+    theirs = back.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in dr.state_dict().items()) and len(theirs) == len(dr.state_dict())
+    with pytest.raises(DFlashError, match="layer count"):
+        load_drafter(tmp_path / "s")
+
+
 def test_a_zlab_dflash2_checkpoint_for_smollm2_runs_from_the_cli_identical_to_ar(tmp_path, capsys):
     """The acceptance path: a DFlash2 drafter for the real SmolLM2 target, made and saved by Z Lab's own package
     (random, one layer), runs with `dflashkit generate --drafter DIR --compare` in bf16: identical to AR."""

@@ -52,7 +52,8 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, extra_confi
     return out
 
 
-def read_config(path: str | os.PathLike) -> DFlashConfig:
+def read_config(path: str | os.PathLike, num_target_layers: int | None = None) -> DFlashConfig:
+    """The drafter's config: Z Lab's layout, or speculators' (which needs `num_target_layers`, its target's)."""
     p = Path(path)
     cfg_file = p / CONFIG
     if not cfg_file.is_file():
@@ -62,6 +63,8 @@ def read_config(path: str | os.PathLike) -> DFlashConfig:
     except json.JSONDecodeError as e:
         raise DFlashError(f"{cfg_file} is not valid JSON ({e}); the checkpoint is corrupt, re-export or "
                           "re-download it.") from None
+    if "speculators_model_type" in d:
+        return DFlashConfig.from_speculators(d, num_target_layers)
     return DFlashConfig.from_hf_dict(d)
 
 
@@ -87,15 +90,16 @@ def load_token_ranking(path: str | os.PathLike) -> list[int] | None:
 
 
 def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> DFlashDrafter:
-    """Load a Z Lab-format drafter directory (or a `dflashkit train` output directory, whose drafter/ it takes).
+                 device: str | torch.device = "cpu", num_target_layers: int | None = None) -> DFlashDrafter:
+    """Load a Z Lab-format drafter directory (or a `dflashkit train` output directory, whose drafter/ it takes), or a
+    speculators-layout one (`num_target_layers`: its target's, which that layout does not record).
     Missing or unexpected tensors are errors, never silent."""
     p = Path(path)
     if not (p / CONFIG).is_file() and (p / "drafter" / CONFIG).is_file():
         p = p / "drafter"
     if not p.is_dir():
         raise DFlashError(f"drafter path {p} is not a directory; give a Z Lab-format drafter directory.")
-    cfg = read_config(p)
+    cfg = read_config(p, num_target_layers)
     files = sorted(p.glob("*.safetensors"))
     if not files:
         raise DFlashError(f"no *.safetensors weights in {p}; the checkpoint is incomplete, re-export or "

@@ -100,6 +100,34 @@ class DFlashConfig:
 
     # ---- the checkpoint contract ---------------------------------------------------------------
     @classmethod
+    def from_speculators(cls, d: dict, num_target_layers: int | None) -> "DFlashConfig":
+        """vLLM speculators' `dflash` / `dflash2` layout (`speculators_model_type`): its draft layers' config is
+        `transformer_layer_config`; it does not record the target's layer count, which the caller gives (the
+        target's, when loading for one)."""
+        kind = d.get("speculators_model_type")
+        if kind not in ARCHS:
+            raise DFlashError(f"speculators model type {kind!r} is not a DFlash drafter; dflashkit loads "
+                              f"{', '.join(ARCHS)}.")
+        if num_target_layers is None:
+            raise DFlashError("a speculators-layout drafter does not record its target's layer count; load it with "
+                              "its target (`--drafter DIR` does), or export it with `--format zlab`.")
+        layers = dict(d.get("transformer_layer_config") or {})
+        if d.get("sample_from_anchor"):
+            raise DFlashError("this speculators drafter samples from the anchor slot (DSpark-style); dflashkit runs "
+                              "DFlash drafters whose anchor is the last committed token.")
+        if d.get("draft_vocab_size") not in (None, layers.get("vocab_size")):
+            raise DFlashError("this speculators drafter has its own reduced-vocabulary LM head; dflashkit drafts "
+                              "with the target's head. Train it with the full vocabulary.")
+        # Why -1: speculators counts the target's hidden_states index (0 = embeddings); we count decoder layers.
+        taps = [i - 1 for i in d.get("aux_hidden_state_layer_ids") or []]
+        v2 = {k: d[k] for k in DFLASH2_FIELDS if k in d} if kind == "dflash2" else {}
+        block = d.get("block_size", 8)
+        dc = {"mask_token_id": d.get("mask_token_id"), "target_layer_ids": taps, "block_size": block, **v2}
+        arch = ["DFlash2DraftModel"] if kind == "dflash2" else ["DFlashDraftModel"]
+        return cls.from_hf_dict({**layers, "architectures": arch, "num_target_layers": num_target_layers,
+                                 "block_size": block, "dflash_config": dc, "draft_vocab_size": None})
+
+    @classmethod
     def from_hf_dict(cls, d: dict) -> "DFlashConfig":
         dc = d.get("dflash_config") or {}
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",

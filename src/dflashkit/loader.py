@@ -312,7 +312,8 @@ def load_models(target: str | None = None, drafter: str | None = None, dtype: st
     tgt, tok = load_target(target, dtype=dtype, device=device, backend=backend, check=check, kernel=kernel,
                            quant=quant)
     if drafter:
-        return tgt, tok, load_drafter(drafter, dtype=parse_dtype(dtype), device=device), True
+        return tgt, tok, load_drafter(drafter, dtype=parse_dtype(dtype), device=device,
+                                      num_target_layers=tgt.num_layers), True
     if target is None:
         return (tgt, tok, *load_default_drafter(tgt, tok))
     return tgt, tok, None, False
