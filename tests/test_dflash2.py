@@ -18,14 +18,19 @@ V, H = 96, 32
 FIELDS = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=16, selector_top_k=5)
 
 
-def zlab_dflash2(tmp_path, seed: int = 0):
-    """A random DFlash2 drafter made and saved by Z Lab's own package (Qwen3 layers, 2 draft layers)."""
+def zlab_dflash2(tmp_path, seed: int = 0, window: dict | None = None):
+    """A random DFlash2 drafter made and saved by Z Lab's own package (Qwen3 layers, 2 draft layers); window:
+    `layer_types`, `sliding_window` and optionally `is_causal` (Z Lab's sliding-window draft attention)."""
     dflash = pytest.importorskip("dflash")
     from transformers import Qwen3Config
 
+    window = dict(window or {})
+    causal = window.pop("is_causal", None)
     cfg = Qwen3Config(hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       intermediate_size=64, vocab_size=V, rms_norm_eps=1e-6, rope_theta=10000.0,
-                      max_position_embeddings=512, architectures=["DFlash2DraftModel"])
+                      max_position_embeddings=512, architectures=["DFlash2DraftModel"], **window)
+    if causal is not None:
+        cfg.is_causal = causal
     cfg.num_target_layers, cfg.block_size = 6, 8
     cfg.dflash_config = {"mask_token_id": 3, "target_layer_ids": [1, 4], "block_size": 8, **FIELDS}
     model = dflash.DFlash2DraftModel(cfg).float().eval()
@@ -38,11 +43,23 @@ def zlab_dflash2(tmp_path, seed: int = 0):
     return model
 
 
-def test_a_zlab_dflash2_checkpoint_loads_and_proposes_what_zlab_proposes(tmp_path):
+WINDOWS = {"full": None,
+           "causal-only": dict(layer_types=["sliding_attention", "full_attention"]),  # no window: Qwen3Config drops it
+           "sliding": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+                           use_sliding_window=True),
+           "sliding-bidirectional": dict(layer_types=["full_attention", "sliding_attention"], sliding_window=5,
+                                         use_sliding_window=True, is_causal=False)}
+
+
+@pytest.mark.parametrize("window", list(WINDOWS))
+def test_a_zlab_dflash2_checkpoint_loads_and_proposes_what_zlab_proposes(tmp_path, window):
     """float32, the same weights and inputs: the drafter's hidden states (<= 1e-5), the selector's path and each
-    slot's top-k candidates equal Z Lab's `DFlash2DraftModel.propose`, over 20 random contexts."""
-    zl = zlab_dflash2(tmp_path)
+    slot's top-k candidates equal Z Lab's `DFlash2DraftModel.propose`, over 20 random contexts; also with Z Lab's
+    sliding-window draft layers (causal inside the block, its default, or bidirectional), contexts up to 24."""
+    zl = zlab_dflash2(tmp_path, window=WINDOWS[window])
     ours = load_drafter(tmp_path, dtype=torch.float32)
+    assert ours.config.windowed == (window != "full")
+    assert ours.config.sliding_window == (WINDOWS[window] or {}).get("sliding_window")
     assert ours.config.arch == "dflash2" and ours.config.selector_top_k == 5 and ours.config.conv_group_size == 8
     head = torch.nn.Linear(H, V, bias=False)
     g = torch.Generator().manual_seed(1)
@@ -224,14 +241,18 @@ def test_a_dflash2_export_loads_in_zlabs_package_and_proposes_the_same(tmp_path)
         export_gguf(dr, tmp_path / "none.gguf", tmp_path / "g.gguf")
 
 
-@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+@pytest.mark.parametrize("arch", ["dflash", "dflash2", "dflash2-sliding", "dflash-sliding-causal"])
 def test_the_speculators_layout_loads_back_identical(tmp_path, arch):
-    """`export_speculators` then `load_drafter`: the same config and every tensor equal, for v1 and DFlash2. The layout
-    does not record the target's layer count: without it the load names the remedy."""
+    """`export_speculators` then `load_drafter`: the same config and every tensor equal, for v1 and DFlash2, with
+    sliding-window layers bidirectional (speculators' dflash2 default) or causal inside the block. The layout does not
+    record the target's layer count: without it the load names the remedy."""
     from dflashkit.export import export_speculators
 
     t = make_target("qwen3", dtype=torch.float32)
-    dr = make_drafter(t, block_size=8, arch=arch).float()
+    dr = make_drafter(t, block_size=8, arch=arch.split("-")[0]).float()
+    if "sliding" in arch:
+        dr.config = dr.config.replace(layer_types=["sliding_attention", "full_attention"], sliding_window=5,
+                                      is_causal=None if arch.endswith("causal") else False)
     export_speculators(dr, t, "tiny", tmp_path / "s", dtype=None)
     back = load_drafter(tmp_path / "s", num_target_layers=t.num_layers)
     assert back.config == dr.config

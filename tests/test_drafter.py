@@ -52,3 +52,29 @@ def test_context_strictly_before_anchor_and_bidirectional_block():
     b2 = block.clone()
     b2[:, 3] += 1.0  # a later block slot changes an earlier one: attention inside the block is bidirectional
     assert not torch.allclose(run_uncached(dr, feats, b2, anchor)[:, 1], base[:, 1])
+
+
+def test_sliding_window_layers_see_what_zlabs_mask_allows():
+    """Every layer "sliding_attention", window W, Z Lab's default is_causal: a slot at position q sees context and
+    slots at positions q - W < k <= q. Context older than anchor - W + 1 is dropped when decoding (flat cost) and
+    changes nothing; the first visible feature does; a later slot does not change an earlier one; and the decode
+    path (keys dropped) equals the training path (keys masked, `tap_positions`)."""
+    t, dr, feats, block = setup(S=16)
+    W, anchor = 4, 12
+    dr.config = dr.config.replace(layer_types=["sliding_attention"] * dr.config.num_hidden_layers, sliding_window=W)
+    base = run_uncached(dr, feats, block, anchor)
+    f2 = feats.clone()
+    f2[:, :anchor - W + 1] += 1.0
+    torch.testing.assert_close(run_uncached(dr, f2, block, anchor), base, rtol=0, atol=0)
+    f3 = feats.clone()
+    f3[:, anchor - W + 1] += 1.0
+    assert not torch.allclose(run_uncached(dr, f3, block, anchor), base)
+    b2 = block.clone()
+    b2[:, 3] += 1.0  # causal inside the block: slots 0..2 do not see slot 3
+    changed = run_uncached(dr, feats, b2, anchor)
+    torch.testing.assert_close(changed[:, :3], base[:, :3], rtol=0, atol=0)
+    assert not torch.allclose(changed[:, 3], base[:, 3])
+    S, Q = anchor, block.shape[1]  # the training path: raw taps, every key kept and masked
+    trained = dr(block, anchor + torch.arange(Q)[None], None, torch.ones(1, 1, Q, S + Q, dtype=torch.bool),
+                 taps=feats[:, :S], tap_positions=torch.arange(S)[None])
+    torch.testing.assert_close(trained, base, rtol=1e-12, atol=1e-12)

@@ -1,5 +1,6 @@
 """The training objective: anchors, labels, the fast block mask vs a naive reference, train/serve parity."""
 
+import pytest
 import torch
 
 from conftest import make_drafter, make_target
@@ -59,11 +60,19 @@ def test_anchors_and_labels():
     assert bl.weights[0, 0] == 0 and torch.isclose(w[1], torch.tensor(1.0)) and torch.isclose(w[3], torch.exp(torch.tensor(-1.0)))
 
 
-def test_training_forward_equals_inference_forward():
+WINDOWS = {"full": {}, "sliding-causal": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5),
+           "sliding-bidirectional": dict(layer_types=["full_attention", "sliding_attention"], sliding_window=3,
+                                         is_causal=False)}
+
+
+@pytest.mark.parametrize("window", list(WINDOWS))
+def test_training_forward_equals_inference_forward(window):
     """Train/serve parity: the many-anchor training forward gives, for each anchor, the logits the
-    incremental inference forward (cached context, engine-style mask) gives for that block."""
+    incremental inference forward (cached context, engine-style mask) gives for that block; also with sliding-window
+    draft layers (decoding drops the context keys outside the window, training masks them)."""
     t = make_target("llama")
     dr = make_drafter(t, block_size=4)
+    dr.config = dr.config.replace(**WINDOWS[window])
     t.set_taps(dr.config.target_layer_ids)
     torch.manual_seed(0)
     S, Bq = 24, 4

@@ -29,6 +29,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 ARCHS = ("dflash", "dflash2")
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass
@@ -57,6 +58,14 @@ class DFlashConfig:
     conv_group_size: int = 16  # hidden channels sharing one dynamic kernel value
     selector_rank: int = 256  # rank of the selector's predecessor / successor codebooks
     selector_top_k: int = 16  # the drafter's candidates per slot the selector walks
+    # Sliding-window draft attention (Z Lab's `layer_types`, `sliding_window`, `is_causal`): in a "sliding_attention"
+    # layer a block slot at position q sees keys at positions k with q - k < sliding_window, so the layer's cost stays
+    # flat on long prompts. is_causal as Z Lab reads it: None = sliding layers causal inside the block (a slot sees
+    # the slots at or before it) and full layers bidirectional; True / False = every layer causal / bidirectional
+    # (speculators' `sliding_window_non_causal`: False).
+    layer_types: list[str] = field(default_factory=list)  # per draft layer; [] = every layer "full_attention"
+    sliding_window: int | None = None
+    is_causal: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.target_layer_ids:
@@ -88,6 +97,13 @@ class DFlashConfig:
                                   f"({self.conv_group_size}); fix dflash_config.conv_group_size.")
             if self.selector_top_k > self.vocab_size:
                 raise DFlashError(f"selector_top_k ({self.selector_top_k}) exceeds the vocabulary ({self.vocab_size}).")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(LAYER_TYPES):
+                raise DFlashError(f"layer_types must name each of the {self.num_hidden_layers} draft layers, each one "
+                                  f"of {', '.join(LAYER_TYPES)} (got {self.layer_types}).")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise DFlashError(f"sliding_window must be >= 1 (positions a slot sees back; got {self.sliding_window}), "
+                              "or null: a sliding_attention layer without a window is only causal, as in Z Lab's.")
         if self.num_attention_heads % self.num_key_value_heads:
             raise DFlashError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -97,6 +113,16 @@ class DFlashConfig:
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    def attention_of(self, layer: int) -> tuple[int | None, bool]:
+        """(window or None, causal inside the block) of draft layer `layer`, as Z Lab's attention reads its config."""
+        sliding = bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+        return (self.sliding_window if sliding else None), (sliding if self.is_causal is None else self.is_causal)
+
+    @property
+    def windowed(self) -> bool:
+        """Some draft layer is not plain bidirectional full attention."""
+        return any(self.attention_of(i) != (None, False) for i in range(self.num_hidden_layers))
 
     # ---- the checkpoint contract ---------------------------------------------------------------
     @classmethod
@@ -124,8 +150,12 @@ class DFlashConfig:
         block = d.get("block_size", 8)
         dc = {"mask_token_id": d.get("mask_token_id"), "target_layer_ids": taps, "block_size": block, **v2}
         arch = ["DFlash2DraftModel"] if kind == "dflash2" else ["DFlashDraftModel"]
+        # speculators' sliding layers are bidirectional inside the block unless sliding_window_non_causal is false
+        causal = False if d.get("sliding_window_non_causal", kind == "dflash2") else layers.get("is_causal")
         return cls.from_hf_dict({**layers, "architectures": arch, "num_target_layers": num_target_layers,
-                                 "block_size": block, "dflash_config": dc, "draft_vocab_size": None})
+                                 "block_size": block, "dflash_config": dc, "draft_vocab_size": None,
+                                 "is_causal": causal if "sliding_attention" in (layers.get("layer_types") or [])
+                                 else layers.get("is_causal")})
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "DFlashConfig":
@@ -148,10 +178,17 @@ class DFlashConfig:
         if rope_type != "default":
             raise DFlashError(f"rope type {rope_type!r} is not supported by dflashkit yet; use a drafter with "
                               "default RoPE.")
-        layer_types = d.get("layer_types") or []
-        if any(t != "full_attention" for t in layer_types) or d.get("use_sliding_window") or dc.get("use_swa"):
-            raise DFlashError("sliding-window draft layers are not supported by dflashkit yet; use a full-attention "
-                              "drafter.")
+        layer_types = list(d.get("layer_types") or [])
+        if not layer_types and d.get("use_sliding_window"):  # transformers' Qwen3 rule when the list is absent
+            first, n = d.get("max_window_layers", d["num_hidden_layers"]), d["num_hidden_layers"]
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+        if dc.get("use_swa"):
+            raise DFlashError("dflash_config.use_swa is not a field Z Lab's package reads; give layer_types and "
+                              "sliding_window.")
+        # Why the window only with use_sliding_window: transformers' Qwen3Config drops it otherwise, and Z Lab's
+        # layers read the config through it (a sliding_attention layer without a window is then causal only).
+        window = d.get("sliding_window") if "sliding_attention" in layer_types and d.get("use_sliding_window", True) \
+            else None
         heads = d["num_attention_heads"]
         v2 = "DFlash2DraftModel" in (d.get("architectures") or []) or any(k in dc for k in DFLASH2_FIELDS)
         extra = {k: int(dc.get(k, d.get(k, getattr(cls, k)))) for k in DFLASH2_FIELDS} if v2 else {}
@@ -174,6 +211,9 @@ class DFlashConfig:
             max_position_embeddings=d.get("max_position_embeddings", 40960),
             attention_bias=d.get("attention_bias", False),
             draft_vocab_size=d.get("draft_vocab_size"),
+            layer_types=layer_types if "sliding_attention" in layer_types else [],
+            sliding_window=window,
+            is_causal=d.get("is_causal"),
         )
 
     def to_hf_dict(self) -> dict:
@@ -196,9 +236,9 @@ class DFlashConfig:
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "tie_word_embeddings": False,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "use_sliding_window": "sliding_attention" in self.layer_types,
+            "sliding_window": self.sliding_window,
+            "layer_types": list(self.layer_types) or ["full_attention"] * self.num_hidden_layers,
             "num_target_layers": self.num_target_layers,
             "block_size": self.block_size,
             "dflash_config": {
@@ -209,6 +249,8 @@ class DFlashConfig:
         }
         if self.draft_vocab_size is not None:
             d["draft_vocab_size"] = self.draft_vocab_size
+        if self.is_causal is not None:
+            d["is_causal"] = self.is_causal
         if self.arch == "dflash2":
             d["architectures"], d["auto_map"] = ["DFlash2DraftModel"], {"AutoModel": "dflash.DFlash2DraftModel"}
             d["dflash_config"].update({k: getattr(self, k) for k in DFLASH2_FIELDS})

@@ -192,22 +192,59 @@ class DFlashDrafter(nn.Module):
             ctx_kv = self.context_kv(self.fuse(taps), tap_positions)
         cos, sin = rope_cos_sin(block_positions, self.config.head_dim, self.config.rope_theta, block_embeds.dtype)
         x = block_embeds
-        for layer, (ck, cv) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, ck, cv, mask, block or x.shape[1])
+        views: dict = {}  # (window, causal) -> (first context key kept, that layer kind's mask)
+        for i, (layer, (ck, cv)) in enumerate(zip(self.layers, ctx_kv)):
+            kind = self.config.attention_of(i)
+            if kind != (None, False):
+                if kind not in views:
+                    views[kind] = windowed_mask(mask, block_positions, ck.shape[2], *kind, tap_positions)
+                lo, m = views[kind]
+                ck, cv = ck[:, :, lo:], cv[:, :, lo:]
+            else:
+                m = mask
+            x = layer(x, cos, sin, ck, cv, m, block or x.shape[1])
         return self.norm(x)
+
+
+def windowed_mask(mask: torch.Tensor, q_pos: torch.Tensor, S: int, window: int | None, causal: bool,
+                  ctx_pos: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+    """A sliding-window or causal layer's view of the keys [context S; block Q]: `mask` [B, 1, Q, S + Q] narrowed to
+    what Z Lab's `_attention_mask` lets a query at position q see (q - k < window; causal: k <= q; a bidirectional
+    window also k - q < window). q_pos: [B, Q] the block's positions; ctx_pos: [B, S] the context keys' positions
+    (training), None when key i sits at position i (decoding's position-indexed cache). Returns (lo, mask'): when
+    decoding, the context keys before `lo` are outside every query's window and are dropped from the layer's keys
+    and the mask (what keeps a windowed layer's cost flat on long prompts)."""
+    lo = 0
+    if ctx_pos is None:
+        if window is not None:
+            lo = max(0, min(int(q_pos.min()) - window + 1, S))
+        ctx_pos = torch.arange(lo, S, device=q_pos.device)[None].expand(q_pos.shape[0], -1)
+        mask = torch.cat([mask[..., lo:S], mask[..., S:]], dim=-1)
+    k = torch.cat([ctx_pos, q_pos], dim=1)[:, None, :]  # [B, 1, S' + Q]
+    q = q_pos[:, :, None]  # [B, Q, 1]
+    vis = torch.ones_like(mask[:, 0])
+    if causal:
+        vis &= k <= q
+    if window is not None:
+        vis &= q - k < window
+        if not causal:
+            vis &= k - q < window
+    return lo, mask & vis[:, None]
 
 
 def layer_stack(drafter: DFlashDrafter):
     """The drafter's layers as ONE C++ call per drafting step (kernels/layers.cpp, the stack the lean target runs:
     the ~40 small torch ops per layer around the kernels were ~half of a drafting step on a CPU), or None where it
-    cannot run them (no kernels, not bf16, attention biases, a width not a multiple of 32, DFlash2's convolutions).
+    cannot run them (no kernels, not bf16, attention biases, a width not a multiple of 32, DFlash2's convolutions,
+    sliding-window or causal draft layers).
     Its fused qkv and gate/up weights are copies: build it once per drafter (`DFlashEngine` does, next to a stacked
     target)."""
     from .kernels import RowLinear, load, stack_linear
 
     c = drafter.config
     widths = (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
-    if (load() is None or c.arch == "dflash2" or c.attention_bias or drafter.fc.weight.dtype != torch.bfloat16
+    if (load() is None or c.arch == "dflash2" or c.windowed or c.attention_bias
+            or drafter.fc.weight.dtype != torch.bfloat16
             or c.head_dim % 8
             or any(w % 32 for w in widths)):
         return None

@@ -118,10 +118,13 @@ def export_speculators(drafter: DFlashDrafter, target, target_name: str, out: st
         },
         "torch_dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
     }
+    if c.is_causal:  # speculators' full-attention layers are always bidirectional inside the block
+        raise DFlashError("this drafter's layers are all causal (is_causal: true), which the speculators layout "
+                          "cannot express; export it with --format zlab.")
+    # speculators' sliding layers: bidirectional inside the block when sliding_window_non_causal (is_causal false)
+    cfg["sliding_window_non_causal"] = c.is_causal is False or ("sliding_attention" not in c.layer_types and v2)
     if v2:
-        # No sliding-window draft layers here (config.py refuses them), so sliding_window_non_causal changes nothing;
-        # written as speculators' own dflash2 default.
-        cfg.update({f: getattr(c, f) for f in DFLASH2_FIELDS}, sliding_window_non_causal=True)
+        cfg.update({f: getattr(c, f) for f in DFLASH2_FIELDS})
     named = {k + ".weight" if k.endswith("_codebook") else k: v for k, v in tensors.items()}
     check_export(cfg, named, SPECULATORS_REQUIRED_CONFIG, c.num_hidden_layers, c.arch)
     return _write(Path(out), cfg, tensors)
