@@ -205,7 +205,8 @@ def test_selector_only_training_step_gives_the_full_steps_selector_gradient():
 def test_a_dflash2_export_loads_in_zlabs_package_and_proposes_the_same(tmp_path):
     """`export_zlab` of our DFlash2 drafter: Z Lab's `DFlash2DraftModel.from_pretrained` loads it (all tensors
     present) and proposes our path. The speculators export writes speculators' `dflash2` layout (its loading by
-    speculators itself: scripts/validate_exports.py); the GGUF export refuses it rather than drop the selector."""
+    speculators itself: scripts/dflash2_check.py); the GGUF export writes llama.cpp's DFlash2 keys (tests/test_export.py)
+    and refuses sliding-window layers rather than drop the window."""
     dflash = pytest.importorskip("dflash")
     from dflashkit.export import export_speculators, export_zlab
     from dflashkit.gguf_export import export_gguf
@@ -237,7 +238,9 @@ def test_a_dflash2_export_loads_in_zlabs_package_and_proposes_the_same(tmp_path)
                        ours["candidate_selector.predecessor_codebook.weight"])
     assert "candidate_selector.successor_codebook" in written and "layers.0.mlp_conv.base_kernel" in written
     assert len(written) == len(ours)
-    with pytest.raises(DFlashError, match="DFlash2"):
+    windowed = dr.config.replace(layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    dr.config = windowed
+    with pytest.raises(DFlashError, match="sliding-window"):
         export_gguf(dr, tmp_path / "none.gguf", tmp_path / "g.gguf")
 
 

@@ -76,13 +76,16 @@ def _target_gguf(path, layers=6, hidden=32, vocab=96):
     return path
 
 
-def test_gguf_export_writes_what_llamacpp_reads(tmp_path):
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_gguf_export_writes_what_llamacpp_reads(tmp_path, arch):
+    """The names, shapes and keys of llama.cpp's `dflash` architecture (src/llama-arch.cpp, src/models/dflash.cpp);
+    a DFlash2 drafter adds the convolutions (`blk.N.attn_conv_base` ...), the selector and their four keys."""
     from gguf import GGUFReader
 
     from dflashkit.gguf_export import export_gguf, gguf_name
 
     t = make_target("qwen3", dtype=torch.float32)
-    dr = make_drafter(t)  # taps [1, 3], mask id 3, block 8
+    dr = make_drafter(t, arch=arch)  # taps [1, 3], mask id 3, block 8
     out = export_gguf(dr, _target_gguf(tmp_path / "t.gguf"), tmp_path / "d.gguf", gguf_type="f32")
     r = GGUFReader(str(out))
     f = {k: v.contents() for k, v in r.fields.items()}
@@ -98,6 +101,18 @@ def test_gguf_export_writes_what_llamacpp_reads(tmp_path):
         x = tensors[gguf_name(k)]
         assert list(x.shape) == list(reversed(v.shape))  # GGUF dims are innermost first
         assert np.array_equal(np.asarray(x.data).reshape(v.shape), v.numpy())
+    if arch == "dflash2":
+        c = dr.config
+        assert [f[f"dflash.{k}"] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")] \
+            == [c.conv_kernel_size, c.conv_group_size, c.selector_rank, c.selector_top_k]
+        # llama.cpp's create_tensor shapes (innermost first): codebooks {rank, n_vocab}, projection {n_embd, rank},
+        # base kernels {n_embd, kernel, 2}
+        assert list(tensors["selector_predecessor.weight"].shape) == [c.selector_rank, c.vocab_size]
+        assert list(tensors["selector_hidden.weight"].shape) == [c.hidden_size, c.selector_rank]
+        assert list(tensors["blk.1.ffn_conv_base"].shape) == [c.hidden_size, c.conv_kernel_size, 2]
+        half = GGUFReader(str(export_gguf(dr, _target_gguf(tmp_path / "t.gguf"), tmp_path / "h.gguf")))
+        kinds = {x.name: x.tensor_type.name for x in half.tensors}  # f16, but the base kernels F32 (the converter's)
+        assert kinds["blk.0.attn_conv_base"] == "F32" and kinds["selector_successor.weight"] == "F16"
 
 
 def test_gguf_export_reduced_vocabulary_ships_d2t_and_head_rows(tmp_path):

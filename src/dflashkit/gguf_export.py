@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .checkpoint import atomic_write
+from .config import DFLASH2_FIELDS
 from .drafter import DFlashDrafter
 from .errors import DFlashError
 
@@ -44,6 +45,15 @@ LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+
+
+# DFlash2's parts (llama.cpp's src/models/dflash.cpp): the convolutions' base kernels have no `.weight` suffix there.
+TOP_NAMES.update({"candidate_selector.predecessor_codebook.weight": "selector_predecessor.weight",
+                  "candidate_selector.successor_codebook.weight": "selector_successor.weight",
+                  "candidate_selector.hidden_projection.weight": "selector_hidden.weight"})
+LAYER_NAMES.update({"attention_conv.base_kernel": "attn_conv_base",
+                    "attention_conv.kernel_projection.weight": "attn_conv_proj.weight",
+                    "mlp_conv.base_kernel": "ffn_conv_base", "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight"})
 
 
 def gguf_name(name: str) -> str:
@@ -141,9 +151,9 @@ def export_gguf(drafter: DFlashDrafter, target_gguf: str | Path, out: str | Path
 
     if gguf_type not in GGUF_TYPES:
         raise DFlashError(f"--gguf-type must be one of {sorted(GGUF_TYPES)} (got {gguf_type!r}).")
-    if drafter.config.arch != "dflash":  # never drop the selector and the convolutions silently
-        raise DFlashError("the GGUF export writes llama.cpp's DFlash (v1) drafter; this one is DFlash2. Export it "
-                          "with --format zlab.")
+    if drafter.config.windowed:  # never drop the window silently
+        raise DFlashError("the GGUF export does not write sliding-window or causal draft layers yet; export this "
+                          "drafter with --format zlab.")
     target = TargetGGUF(target_gguf)
     check_fit(drafter, target, draft_vocab)
     c, (kind, file_type) = drafter.config, GGUF_TYPES[gguf_type]
@@ -167,6 +177,9 @@ def export_gguf(drafter: DFlashDrafter, target_gguf: str | Path, out: str | Path
                            ("block_size", c.block_size)):
             w.add_uint32(f"{ARCH}.{key}", int(value))
         # RoPE: llama.cpp's dflash graph rotates NeoX style (halves), as our drafter does; only the base is stored.
+        if c.arch == "dflash2":  # llama.cpp's dflash architecture runs DFlash2 when these keys are present
+            for key in DFLASH2_FIELDS:
+                w.add_uint32(f"{ARCH}.{key}", int(getattr(c, key)))
         w.add_float32(f"{ARCH}.rope.freq_base", float(c.rope_theta))
         w.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", float(c.rms_norm_eps))
         w.add_uint32("general.file_type", file_type)
@@ -177,7 +190,8 @@ def export_gguf(drafter: DFlashDrafter, target_gguf: str | Path, out: str | Path
             _copy_field(w, f)
         w.add_uint32("tokenizer.ggml.mask_token_id", int(c.mask_token_id))
         for gname, t in tensors.items():
-            arr, raw = _array(t, kind)
+            # DFlash2's base kernels stay F32 whatever the type, as llama.cpp's converter writes them
+            arr, raw = _array(t, "F32" if gname.endswith("_conv_base") else kind)
             w.add_tensor(gname, arr, raw_dtype=raw)
         if rows is not None:
             w.add_tensor("d2t", rows.numpy().astype(np.int64))  # absolute target ids (llama.cpp asserts I64)
