@@ -32,10 +32,12 @@ from dflashkit.bench.datasets import load_dataset  # noqa: E402
 from dflashkit.checkpoint import load_drafter  # noqa: E402
 from dflashkit.export import export_speculators, export_zlab  # noqa: E402
 from dflashkit.loader import encode_chat, load_target, resolve_target_dir  # noqa: E402
+from validate_exports import ONE_ANCHOR  # noqa: E402  (scripts/: the same one-anchor forward as the v1 check)
 
 SPEC_CHECK = r"""
 import json, sys, torch
 from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
+""" + ONE_ANCHOR + r"""
 cfg = DFlash2SpeculatorConfig.from_pretrained(sys.argv[1])
 cfg.transformer_layer_config._attn_implementation = "sdpa"  # its default (compiled flex attention) is for GPUs
 m, info = DFlash2DraftModel.from_pretrained(sys.argv[1], config=cfg, output_loading_info=True)
@@ -44,22 +46,13 @@ m = m.float().eval()
 out = {"missing": sorted(info.get("missing_keys") or []), "unexpected": sorted(info.get("unexpected_keys") or []),
        "mismatched": [list(map(str, x)) for x in (info.get("mismatched_keys") or [])], "anchors": 0,
        "max_abs_logit_diff": 0.0, "max_abs_score_diff": 0.0, "max_abs_hidden_diff": 0.0, "max_abs_logit": 0.0}
-for d in torch.load(sys.argv[2]):
-    # Its training forward with ONE anchor at position S (the only supervised position outside the last block):
-    # the block sees context < S, exactly our inference block at S.
-    taps, block = d["taps"], d["block"]
-    S, Q = taps.shape[1], block.shape[1]
-    T = S + Q + 1
-    hs = torch.cat([taps, torch.randn(1, T - S, taps.shape[-1])], dim=1)
-    ids = torch.zeros(1, T, dtype=torch.long)
-    ids[0, S] = block[0, 0]
-    lm = torch.zeros(1, T)
-    lm[0, S] = 1
+inputs = torch.load(sys.argv[2])
+for d in inputs:
+    Q = d["block"].shape[1]
+    hidden, logits = one_anchor(m, d["taps"], d["block"])
+    h, lg = hidden[0, 1:Q], logits[0, 1:Q].float()
     with torch.no_grad():
-        hidden, logits, *_ = m._backbone_forward(hs, ids, lm, torch.randn(1, T, cfg.transformer_layer_config.hidden_size),
-                                                 torch.zeros(1, T, dtype=torch.long), max_anchors=1)
-        h, lg = hidden[0, 1:Q], logits[0, 1:Q].float()
-        pred = torch.cat([block[0, :1], d["path"][0, :-1]])
+        pred = torch.cat([d["block"][0, :1], d["path"][0, :-1]])
         scores = m.candidate_selector.score_candidates(lg, h, pred, d["candidates"][0])
     out["anchors"] += 1
     out["max_abs_logit_diff"] = max(out["max_abs_logit_diff"], float((lg - d["logits"][0]).abs().max()))
@@ -75,21 +68,13 @@ with torch.no_grad():
         if "conv" in n or "candidate_selector" in n:
             p.add_(0.02 * torch.randn_like(p))
 m.save_pretrained(sys.argv[3])
-d = torch.load(sys.argv[2])[0]
-taps, block = d["taps"], d["block"]
-S, Q = taps.shape[1], block.shape[1]
-T = S + Q + 1
-hs = torch.cat([taps, torch.randn(1, T - S, taps.shape[-1])], dim=1)
-ids = torch.zeros(1, T, dtype=torch.long)
-ids[0, S] = block[0, 0]
-lm = torch.zeros(1, T)
-lm[0, S] = 1
+d = inputs[0]
+Q = d["block"].shape[1]
+hidden, logits = one_anchor(m, d["taps"], d["block"])
+h, lg = hidden[0, 1:Q], logits[0, 1:Q].float()
 with torch.no_grad():
-    hidden, logits, *_ = m._backbone_forward(hs, ids, lm, torch.randn(1, T, cfg.transformer_layer_config.hidden_size),
-                                             torch.zeros(1, T, dtype=torch.long), max_anchors=1)
-    h, lg = hidden[0, 1:Q], logits[0, 1:Q].float()
     cand = lg.topk(m.candidate_selector.top_k, dim=-1).indices
-    pred = torch.cat([block[0, :1], lg.argmax(-1)[:-1]])
+    pred = torch.cat([d["block"][0, :1], lg.argmax(-1)[:-1]])
     scores = m.candidate_selector.score_candidates(lg, h, pred, cand)
 torch.save({"hidden": h, "logits": lg, "candidates": cand, "predecessors": pred, "scores": scores},
            sys.argv[3] + "/theirs.pt")

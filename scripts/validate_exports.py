@@ -48,10 +48,29 @@ print(json.dumps({"missing": sorted(info.get("missing_keys") or []), "unexpected
                   "max_abs_logit_diff": diff, "same_argmax": bool(torch.equal(logits.argmax(-1), d["logits"].argmax(-1)))}))
 """
 
+# speculators' training forward with ONE anchor at position S (the only supervised position outside the last
+# block): the block sees context < S, exactly our inference block at S. -> (hidden, logits) [1, Q, ...].
+ONE_ANCHOR = r"""
+def one_anchor(m, taps, block):
+    S, Q = taps.shape[1], block.shape[1]
+    T = S + Q + 1
+    hs = torch.cat([taps, torch.randn(1, T - S, taps.shape[-1])], dim=1)
+    ids = torch.zeros(1, T, dtype=torch.long)
+    ids[0, S] = block[0, 0]
+    lm = torch.zeros(1, T)
+    lm[0, S] = 1
+    with torch.no_grad():
+        hidden, logits, *_ = m._backbone_forward(
+            hs, ids, lm, torch.randn(1, T, m.config.transformer_layer_config.hidden_size),
+            torch.zeros(1, T, dtype=torch.long), max_anchors=1)
+    return hidden, logits
+"""
+
 SPEC_CHECK = r"""
 import json, sys, torch
 from safetensors.torch import load_file
 from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+""" + ONE_ANCHOR + r"""
 cfg = DFlashSpeculatorConfig.from_pretrained(sys.argv[1])
 cfg.transformer_layer_config._attn_implementation = "sdpa"  # its default (compiled flex attention) is for GPUs
 m, info = DFlashDraftModel.from_pretrained(sys.argv[1], config=cfg, output_loading_info=True)
@@ -59,20 +78,9 @@ m.load_verifier_weights()
 m = m.float().eval()
 sd, ours = m.state_dict(), load_file(sys.argv[1] + "/model.safetensors")
 body = all(torch.equal(sd[k].to(v.dtype), v) for k, v in ours.items())
-# Its training forward with ONE anchor at position S (the only supervised position outside the last block):
-# the block sees context < S, exactly our inference block at S.
 d = torch.load(sys.argv[2])
-taps, block = d["taps"], d["block"]
-S, Q = taps.shape[1], block.shape[1]
-T = S + Q + 1
-hs = torch.cat([taps, torch.randn(1, T - S, taps.shape[-1])], dim=1)
-ids = torch.zeros(1, T, dtype=torch.long)
-ids[0, S] = block[0, 0]
-lm = torch.zeros(1, T)
-lm[0, S] = 1
-with torch.no_grad():
-    _, logits, *_ = m._backbone_forward(hs, ids, lm, torch.randn(1, T, m.config.transformer_layer_config.hidden_size),
-                                        torch.zeros(1, T, dtype=torch.long), max_anchors=1)
+Q = d["block"].shape[1]
+_, logits = one_anchor(m, d["taps"], d["block"])
 print(json.dumps({"missing": sorted(info.get("missing_keys") or []), "unexpected": sorted(info.get("unexpected_keys") or []),
                   "mismatched": [list(map(str, x)) for x in (info.get("mismatched_keys") or [])],
                   "body_identical": body, "aux_hidden_state_layer_ids": m.target_layer_ids, "block_size": m.block_size,
