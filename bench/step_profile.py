@@ -19,11 +19,14 @@ from pathlib import Path
 from dflashkit import DecodeConfig, DFlashEngine
 from dflashkit.batch import DecodeBatch
 from dflashkit.bench.datasets import load_dataset
+from dflashkit.dflash2 import CandidateSelector, DynamicConv
 from dflashkit.loader import encode_chat, load_models
 from dflashkit.proposers import DrafterProposer
 
-# "lookup+policy+tree" = `_propose` without the drafter's forward (its own part, nested inside, counted once)
-PARTS = ["target forward", "lm heads", "drafter", "lookup+policy+tree", "commit", "other"]
+# "lookup+policy+tree" = `_propose` without the drafter's forward (its own part, nested inside, counted once);
+# "selector" and "convolutions": a DFlash2 drafter's parts (its walk over the top-k, its dynamic convolutions), each
+# counted once, outside "drafter" (in a tree, the per-slot scoring runs in the tree build: under "drafter")
+PARTS = ["target forward", "lm heads", "drafter", "selector", "convolutions", "lookup+policy+tree", "commit", "other"]
 
 
 class Clock:
@@ -62,6 +65,10 @@ def profile(target, drafter, tok, config, prompts, n) -> dict:
     clock.wrap(target, "logits", "lm heads")
     clock.wrap(DecodeBatch, "_propose", "lookup+policy+tree")
     clock.wrap(DrafterProposer, "propose", "drafter")
+    for name in ("select", "conditional"):
+        clock.wrap(CandidateSelector, name, "selector")
+    for name in ("prepare", "finish"):
+        clock.wrap(DynamicConv, name, "convolutions")
     clock.wrap(DecodeBatch, "_commit", "commit")
     steps = tokens = 0
     wall, spent = 0.0, defaultdict(float)
@@ -91,15 +98,18 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--quant", default=None, help="int4: the GGUF's own Q4_1 codes (the lean backend)")
+    ap.add_argument("--drafter", default=None, help="a drafter directory (default: the bundled one), e.g. DFlash2")
     ap.add_argument("--out", default="bench/results/step-profile")
     args = ap.parse_args()
-    target, tok, drafter, _ = load_models(dtype=args.dtype, backend=args.backend, quant=args.quant)
+    target, tok, drafter, _ = load_models(drafter=args.drafter, dtype=args.dtype, backend=args.backend,
+                                          quant=args.quant)
     prompts = [encode_chat(tok, t[0]) for t in load_dataset("humaneval", args.prompts)]
     configs = {"ar": DecodeConfig.autoregressive(), "chain": DecodeConfig(), "default": DecodeConfig.recommended()}
     rows = {name: profile(target, drafter, tok, c, prompts, args.max_new_tokens) for name, c in configs.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"backend": getattr(target, "engine_name", type(target).__name__), "dtype": args.dtype,
+            "drafter": args.drafter or "bundled", "drafter_arch": drafter.config.arch,
             "quant": args.quant, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
             "command": " ".join(sys.argv)}
     (out / "profile.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
