@@ -53,7 +53,8 @@ TOP_NAMES.update({"candidate_selector.predecessor_codebook.weight": "selector_pr
                   "candidate_selector.hidden_projection.weight": "selector_hidden.weight"})
 LAYER_NAMES.update({"attention_conv.base_kernel": "attn_conv_base",
                     "attention_conv.kernel_projection.weight": "attn_conv_proj.weight",
-                    "mlp_conv.base_kernel": "ffn_conv_base", "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight"})
+                    "mlp_conv.base_kernel": "ffn_conv_base",
+                    "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight"})
 
 
 def gguf_name(name: str) -> str:
