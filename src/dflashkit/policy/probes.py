@@ -19,11 +19,8 @@ PROBE_MIN, PROBE_MAX = 4, 64  # steps between probes of a drafter that stopped p
 PROBE_BUDGET = 0.01
 # Plain steps between looks once looking stops paying: doubled per unpaid look, up to PLAIN_MAX (a copy is found at
 # most 8 steps late; a look at batch 16, ~3 % of a step, then costs a ninth of that); LOOK_DECAY: the EMAs' weight.
-# Why a long memory (0.9, ~10 looks): a look's value is bursty where the lookup pays (code: mostly 0, then 20-70 ms
-# when a copy starts). At 0.7 a dozen empty looks after a burst made the EMA fall below a look's ~0.7 ms, and the
-# plain runs that followed missed the next bursts: on HumanEval at batch 4 one run in three ended at 0.92-0.95x AR
-# instead of 1.03-1.09x (bench/results/policy-b4-repeats/).
-PLAIN_MAX, LOOK_DECAY = 8, 0.9
+# (A longer memory, 0.9, did not remove the slow runs on HumanEval at batch 4: bench/results/policy-looks-fix/.)
+PLAIN_MAX, LOOK_DECAY = 8, 0.7
 
 
 @dataclass
