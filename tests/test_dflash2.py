@@ -263,6 +263,11 @@ def test_the_speculators_layout_loads_back_identical(tmp_path, arch):
     assert all(torch.equal(v, theirs[k]) for k, v in dr.state_dict().items()) and len(theirs) == len(dr.state_dict())
     with pytest.raises(DFlashError, match="layer count"):
         load_drafter(tmp_path / "s")
+    cfg = json.loads((tmp_path / "s" / "config.json").read_text())
+    for change, why in (({"sample_from_anchor": True}, "anchor"), ({"draft_vocab_size": 50}, "reduced-vocabulary"),
+                        ({"speculators_model_type": "eagle3"}, "not a DFlash")):
+        with pytest.raises(DFlashError, match=why):
+            DFlashConfig.from_speculators({**cfg, **change}, t.num_layers)
 
 
 def test_a_zlab_dflash2_checkpoint_for_smollm2_runs_from_the_cli_identical_to_ar(tmp_path, capsys):
