@@ -151,11 +151,11 @@ class DFlashConfig:
         dc = {"mask_token_id": d.get("mask_token_id"), "target_layer_ids": taps, "block_size": block, **v2}
         arch = ["DFlash2DraftModel"] if kind == "dflash2" else ["DFlashDraftModel"]
         # speculators' sliding layers are bidirectional inside the block unless sliding_window_non_causal is false
-        causal = False if d.get("sliding_window_non_causal", kind == "dflash2") else layers.get("is_causal")
+        sliding = "sliding_attention" in (layers.get("layer_types") or [])
+        bidirectional = sliding and d.get("sliding_window_non_causal", kind == "dflash2")
         return cls.from_hf_dict({**layers, "architectures": arch, "num_target_layers": num_target_layers,
                                  "block_size": block, "dflash_config": dc, "draft_vocab_size": None,
-                                 "is_causal": causal if "sliding_attention" in (layers.get("layer_types") or [])
-                                 else layers.get("is_causal")})
+                                 "is_causal": False if bidirectional else layers.get("is_causal")})
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "DFlashConfig":

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import CONFIG, WEIGHTS, atomic_write
+from .checkpoint import CODEBOOKS, CONFIG, WEIGHTS, atomic_write
 from .config import DFLASH2_FIELDS
 from .drafter import DFlashDrafter
 from .errors import DFlashError
@@ -86,6 +86,9 @@ def export_speculators(drafter: DFlashDrafter, target, target_name: str, out: st
     and verifier norm are reloaded from the verifier named in `speculators_config.verifier`."""
     c = drafter.config
     v2 = c.arch == "dflash2"
+    if c.is_causal:  # speculators' full-attention layers are always bidirectional inside the block
+        raise DFlashError("this drafter's layers are all causal (is_causal: true), which the speculators layout "
+                          "cannot express; export it with --format zlab.")
     zl = c.replace(draft_vocab_size=None).to_hf_dict()
     layer = {k: v for k, v in zl.items() if k not in ("architectures", "auto_map", "block_size", "dflash_config",
                                                       "num_target_layers")}
@@ -96,8 +99,6 @@ def export_speculators(drafter: DFlashDrafter, target, target_name: str, out: st
         raise DFlashError("the drafter taps the target's last layer, which the speculators layout cannot express; "
                           "export it with --format zlab.")
     tensors = _state(drafter, dtype)
-    if v2:  # speculators' codebooks are bare parameters (Z Lab's checkpoints may carry either name)
-        tensors = {k.removesuffix(".weight") if "_codebook." in k else k: v for k, v in tensors.items()}
     arch = [target.architecture]
     cfg = {
         "architectures": ["DFlash2DraftModel" if v2 else "DFlashSpeculator"],
@@ -118,13 +119,11 @@ def export_speculators(drafter: DFlashDrafter, target, target_name: str, out: st
         },
         "torch_dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
     }
-    if c.is_causal:  # speculators' full-attention layers are always bidirectional inside the block
-        raise DFlashError("this drafter's layers are all causal (is_causal: true), which the speculators layout "
-                          "cannot express; export it with --format zlab.")
     # speculators' sliding layers: bidirectional inside the block when sliding_window_non_causal (is_causal false)
     cfg["sliding_window_non_causal"] = c.is_causal is False or ("sliding_attention" not in c.layer_types and v2)
     if v2:
         cfg.update({f: getattr(c, f) for f in DFLASH2_FIELDS})
-    named = {k + ".weight" if k.endswith("_codebook") else k: v for k, v in tensors.items()}
-    check_export(cfg, named, SPECULATORS_REQUIRED_CONFIG, c.num_hidden_layers, c.arch)
-    return _write(Path(out), cfg, tensors)
+    check_export(cfg, tensors, SPECULATORS_REQUIRED_CONFIG, c.num_hidden_layers, c.arch)
+    # speculators' codebooks are bare parameters (`load_drafter` reads either name, as Z Lab's key mapping does)
+    return _write(Path(out), cfg, {k.removesuffix(".weight") if k.removesuffix(".weight") in CODEBOOKS else k: v
+                                   for k, v in tensors.items()})
