@@ -294,6 +294,16 @@ def test_a_zlab_dflash2_checkpoint_for_smollm2_runs_from_the_cli_identical_to_ar
                  "--max-new-tokens", "24", "--dtype", "bfloat16", "--compare", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
     assert stats["identical_to_ar"] and stats["new_tokens"] >= 1
+    # `dflashkit export` writes it in speculators' layout and as llama.cpp's GGUF; the speculators directory runs
+    # from the CLI too (its target's layer count comes from the target)
+    assert main(["export", "--drafter", str(tmp_path / "z"), "--format", "speculators", "--out",
+                 str(tmp_path / "s")]) == 0
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["speculators_model_type"] == "dflash2"
+    assert main(["export", "--drafter", str(tmp_path / "z"), "--format", "gguf", "--out", str(tmp_path / "d.gguf")]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--drafter", str(tmp_path / "s"), "--prompt", "Name three colours.",
+                 "--max-new-tokens", "24", "--dtype", "bfloat16", "--compare", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]["identical_to_ar"]
 
 
 def test_a_selector_ranked_tree_is_exact_and_reduces_to_the_factorised_tree():
