@@ -299,7 +299,8 @@ def test_a_zlab_dflash2_checkpoint_for_smollm2_runs_from_the_cli_identical_to_ar
     assert main(["export", "--drafter", str(tmp_path / "z"), "--format", "speculators", "--out",
                  str(tmp_path / "s")]) == 0
     assert json.loads((tmp_path / "s" / "config.json").read_text())["speculators_model_type"] == "dflash2"
-    assert main(["export", "--drafter", str(tmp_path / "z"), "--format", "gguf", "--out", str(tmp_path / "d.gguf")]) == 0
+    assert main(["export", "--drafter", str(tmp_path / "z"), "--format", "gguf",
+                 "--out", str(tmp_path / "d.gguf")]) == 0
     capsys.readouterr()
     assert main(["generate", "--drafter", str(tmp_path / "s"), "--prompt", "Name three colours.",
                  "--max-new-tokens", "24", "--dtype", "bfloat16", "--compare", "--json"]) == 0
