@@ -43,6 +43,7 @@ def test_prompt_file_and_speed_bench_dir(tmp_path):
     (tmp_path / "sb").mkdir()
     (tmp_path / "sb" / "qa.jsonl").write_text('{"prompt": "q1"}\n{"turns": ["t1", "t2"]}\n')
     assert load_dataset("speed-bench", speed_bench_dir=str(tmp_path / "sb")) == [["q1"], ["t1", "t2"]]
+    # NVIDIA's own schema, categories and placeholders: tests/test_speed_bench.py
 
 
 def test_metric_arithmetic():

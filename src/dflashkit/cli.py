@@ -196,9 +196,9 @@ def cmd_bench(args) -> int:
     temps = args.temperature or [0.0]
     if any(t < 0 for t in temps) or any(n < 1 for n in args.batch_size or []):
         raise DFlashError("--temperature must be >= 0 and --batch-size >= 1.")
-    from .bench.datasets import load_dataset, load_prompt_file
+    from .bench.datasets import check_dataset, load_prompt_file
     for d in args.dataset or []:  # a bad dataset name or prompt file fails here, before the weights load
-        load_dataset(d, 1, args.speed_bench_dir)
+        check_dataset(d, args.speed_bench_dir)
     if args.prompts:
         load_prompt_file(args.prompts, 1)
     cfg = BenchConfig(datasets=args.dataset or [], prompts_file=args.prompts, limit=args.limit,
@@ -331,9 +331,11 @@ def _bench_and_serve_parsers(sub) -> None:
     b = sub.add_parser("bench", formatter_class=Help, help="tau and speed vs autoregressive decoding and the peers")
     b.add_argument("--dataset", action="append", default=None,
                    help="humaneval | mt-bench | mt-bench-t1 (first turns) | sharegpt-heldout | math | speed-bench "
-                        "(repeatable)")
+                        "(NVIDIA's files, --speed-bench-dir) | speed-bench-like (categories built offline); the "
+                        "last two give one row per category (repeatable)")
     b.add_argument("--prompts", default=None, help='JSONL, one {"prompt": ...} or {"messages": [...]} per line')
-    b.add_argument("--limit", type=int, default=None, help="first N items of each dataset (default: all)")
+    b.add_argument("--limit", type=int, default=None,
+                   help="first N items of each dataset or category (default: all; speed-bench-like: 20)")
     b.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per turn at most")
     b.add_argument("--block-size", type=int, action="append", default=None, help="repeatable (default 16)")
     b.add_argument("--temperature", type=float, action="append", default=None,
@@ -351,7 +353,9 @@ def _bench_and_serve_parsers(sub) -> None:
                         "(default: --block-size)")
     b.add_argument("--out", default="bench/results/latest",
                    help="results.json, outputs.json.gz, results.md and PNG plots go here")
-    b.add_argument("--speed-bench-dir", default=None, help="a local copy of SPEED-Bench (the speed-bench dataset)")
+    b.add_argument("--speed-bench-dir", default=None,
+                   help="SPEED-Bench as specdec_bench's prepare step writes it (data/speed/<config>/, parquet or "
+                        "JSONL, or one such file)")
     _add_model_flags(b)
     b.set_defaults(func=cmd_bench)
 

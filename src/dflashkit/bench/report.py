@@ -44,9 +44,36 @@ def markdown(report: dict) -> str:
                   "|---|---|---|---|---|---|"]
         lines += [f"| {d} | {m} | {p['steps']} | {100 * p['drafter_fraction']:.0f} % | {p['nodes_per_row']:.2f} | "
                   f"{p['mean_width']:.2f} |" for d, m, p in pol]
+    lines += _category_table(report)
     for m, why in report.get("skipped", {}).items():
         lines.append(f"\nskipped `{m}`: {why}")
     return "\n".join(lines) + "\n"
+
+
+def categories(report: dict) -> dict[str, dict[str, dict]]:
+    """{dataset: {category: rows}} of the sets that came one per category (`datasets.load_sets`: `name/category`)."""
+    out: dict[str, dict[str, dict]] = {}
+    for d, rows in report["results"].items():
+        if "/" in d:
+            name, cat = d.split("/", 1)
+            out.setdefault(name, {})[cat] = rows
+    return out
+
+
+def _category_table(report: dict) -> list[str]:
+    lines = []
+    for name, cats in categories(report).items():
+        lines += ["", f"Per category, {name} (tau with the bonus token; accepted at k: the share of verify steps "
+                  "that kept at least k drafts):", "",
+                  "| category | turns | method | tau | accepted at 1 / 2 / 3 / 4 | tokens/s | vs ar | "
+                  "differing from ar |", "|---|---|---|---|---|---|---|---|"]
+        for cat, rows in cats.items():
+            for m, r in rows.items():
+                acc = " / ".join(f"{a:.2f}" for a in (r["acceptance"] + [0.0] * 4)[:4]) if m != "ar" else "-"
+                mm = r.get("mismatches_vs_ar")
+                lines.append(f"| {cat} | {r['turns']} | {m} | {r['tau']:.2f} | {acc} | {r['tokens_per_s']:.1f} | "
+                             f"{r['speedup_vs_ar']:.2f} | {mm['count'] if mm else '-'} |")
+    return lines
 
 
 def _adaptive_ratios(rows: dict, sizes: list[int]) -> list[str]:
@@ -77,7 +104,7 @@ def plots(report: dict, out: Path) -> list[Path]:
     paths = []
     for name, draw in (("speedup", _speedup), ("acceptance", _acceptance), ("block_size", _block_size),
                        ("batch", _batch), ("policy", _policy), ("calibration", _calibration),
-                       ("temperature", _temperature)):
+                       ("temperature", _temperature), ("categories", _categories)):
         fig = draw(plt, report)
         if fig is not None:
             fig.tight_layout()
@@ -207,6 +234,27 @@ def _temperature(plt, report: dict):
     ax.set_xticks(range(len(labels)), [f"{d}\n{m}" for d, m in labels], fontsize=7, rotation=30)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_ylabel("speedup vs ar at the same temperature")
+    return fig
+
+
+def _categories(plt, report: dict):
+    """Per category: tau (left) and speedup vs ar (right) of every method but ar, one bar each."""
+    cats = {f"{c}" if len(categories(report)) == 1 else f"{n}/{c}": rows
+            for n, cs in categories(report).items() for c, rows in cs.items()}
+    if not cats:
+        return None
+    methods = [m for m in dict.fromkeys(m for rows in cats.values() for m in rows) if m != "ar"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    w = 0.8 / max(1, len(methods))
+    for ax, key, label in ((axes[0], "tau", "tau (tokens per verify step)"), (axes[1], "speedup_vs_ar", "vs our AR")):
+        for i, m in enumerate(methods):
+            ax.bar([k + i * w for k in range(len(cats))], [rows.get(m, {}).get(key) or 0 for rows in cats.values()],
+                   width=w, label=m)
+        ax.set_xticks([k + w * (len(methods) - 1) / 2 for k in range(len(cats))], list(cats), rotation=45,
+                      ha="right", fontsize=8)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
     return fig
 
 

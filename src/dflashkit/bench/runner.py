@@ -19,7 +19,7 @@ import torch
 
 from .. import stats
 from ..decode_config import DecodeConfig
-from .datasets import load_dataset, load_prompt_file
+from .datasets import load_prompt_file, load_sets
 from ..invariance import mode as exactness_mode
 from .exactness import calibrate_noise, mismatches
 from .peers import BenchContext, EngineMethod, Turn, build_methods
@@ -244,7 +244,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     methods, skipped = build_methods(ctx, cfg.methods)
     for m, why in skipped.items():
         log.warning("skipping %s: %s", m, why)
-    sets = {d: load_dataset(d, cfg.limit, cfg.speed_bench_dir) for d in cfg.datasets}
+    sets = {k: v for d in cfg.datasets for k, v in load_sets(d, cfg.limit, cfg.speed_bench_dir, ctx.tok).items()}
     if cfg.prompts_file:
         sets[Path(cfg.prompts_file).stem] = load_prompt_file(cfg.prompts_file, cfg.limit)
     ours = {n: m for n, m in methods.items() if isinstance(m, EngineMethod)}
