@@ -327,6 +327,22 @@ def _generate_and_data_parsers(sub) -> None:
 
 
 
+def cmd_bench_serve(args) -> int:
+    import torch
+
+    from .bench.serve_curve import CurveConfig, bench_serve, markdown
+
+    try:
+        cfg = CurveConfig(engines=[e for e in args.engines.split(",") if e], max_tokens=args.max_tokens,
+                          concurrency=[int(c) for c in args.concurrency.split(",") if c], out=args.out,
+                          requests_per_user=args.requests_per_user, peer_block=args.peer_block,
+                          threads=args.threads or torch.get_num_threads(), command="dflashkit " + " ".join(sys.argv[1:]))
+        print(markdown(bench_serve(cfg)))
+    except ValueError as e:
+        raise DFlashError(f"{e}") from None
+    return 0
+
+
 def _bench_and_serve_parsers(sub) -> None:
     b = sub.add_parser("bench", formatter_class=Help, help="tau and speed vs autoregressive decoding and the peers")
     b.add_argument("--dataset", action="append", default=None,
@@ -358,6 +374,17 @@ def _bench_and_serve_parsers(sub) -> None:
                         "JSONL, or one such file)")
     _add_model_flags(b)
     b.set_defaults(func=cmd_bench)
+    c = sub.add_parser("bench-serve", formatter_class=Help,
+                       help="throughput vs per-user speed over concurrency: our server and the peers' (Pareto curve)")
+    c.add_argument("--engines", default="dflashkit-ar,dflashkit,dflashkit-ar-again,llama-server,llama-server-dflash,"
+                   "vllm,vllm-dflash", help="comma list (missing peers are skipped with the command installing them)")
+    c.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma list, each 1..64")
+    c.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    c.add_argument("--requests-per-user", type=int, default=2, help="a cell sends max(8, c x this) requests")
+    c.add_argument("--peer-block", type=int, default=4, help="llama.cpp's and vLLM's DFlash block (drafts + 1)")
+    c.add_argument("--threads", type=int, default=None, help="threads per server (default: torch's count)")
+    c.add_argument("--out", default="bench/results/serve-curve")
+    c.set_defaults(func=cmd_bench_serve)
 
     sv = sub.add_parser("serve", formatter_class=Help, help="OpenAI-compatible server with continuous batching")
     _add_model_flags(sv)
