@@ -101,8 +101,8 @@ def run_cell(client, prompts: list[str], conc: int, cfg: CurveConfig, extra: dic
     ttft = sorted(r.ttft_s for r in records)
     return {"concurrency": conc, "requests": len(records), "tokens": tokens, "wall_s": round(wall, 3),
             "throughput_tok_s": round(tokens / wall, 2), "per_user_tok_s_median": round(statistics.median(per_user), 2),
-            "ttft_s_median": round(statistics.median(ttft), 3), "ttft_s_p90": round(ttft[int(0.9 * (len(ttft) - 1))], 3),
-            "records": [asdict(r) for r in records]}
+            "ttft_s_median": round(statistics.median(ttft), 3),
+            "ttft_s_p90": round(ttft[int(0.9 * (len(ttft) - 1))], 3), "records": [asdict(r) for r in records]}
 
 
 def throughput_at(cells: list[dict], x: float) -> float | None:
