@@ -336,7 +336,8 @@ def cmd_bench_serve(args) -> int:
         cfg = CurveConfig(engines=[e for e in args.engines.split(",") if e], max_tokens=args.max_tokens,
                           concurrency=[int(c) for c in args.concurrency.split(",") if c], out=args.out,
                           requests_per_user=args.requests_per_user, peer_block=args.peer_block,
-                          threads=args.threads or torch.get_num_threads(), command="dflashkit " + " ".join(sys.argv[1:]))
+                          threads=args.threads or torch.get_num_threads(),
+                          command="dflashkit " + " ".join(sys.argv[1:]))
         print(markdown(bench_serve(cfg)))
     except ValueError as e:
         raise DFlashError(f"{e}") from None
