@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from dflashkit import DecodeConfig, DFlashEngine  # noqa: E402
 from dflashkit.bench.datasets import load_dataset  # noqa: E402
+from dflashkit.checkpoint import load_drafter  # noqa: E402
 from dflashkit.export import export_zlab  # noqa: E402
 from dflashkit.gguf_export import compare_gguf, convert_target, export_gguf  # noqa: E402
 from dflashkit.loader import default_gguf, encode_chat, load_default_drafter, load_target, resolve_target_dir  # noqa
@@ -83,6 +84,7 @@ def main() -> int:
     ap.add_argument("--targets", default="f32,q4_1", help="comma list of f32 (converted), q4_1 (the GGUF itself)")
     ap.add_argument("--only", default=None, help="comma list of prompt indices to run (default: all)")
     ap.add_argument("--skip-writer-check", action="store_true", help="skip the writer == converter comparison")
+    ap.add_argument("--drafter", default=None, help="a drafter directory (v1 or DFlash2; default: the bundled one)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/llamacpp-check"))
     args = ap.parse_args()
     llamacpp_bin("llama-server")  # Skip names the remedy when it was not built
@@ -90,9 +92,13 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     n = args.max_new_tokens
     target, tok = load_target(dtype="float32")
-    drafter, _ = load_default_drafter(target, tok)
+    if args.drafter:
+        drafter = load_drafter(args.drafter, dtype=target.dtype, num_target_layers=target.num_layers)
+    else:
+        drafter, _ = load_default_drafter(target, tok)
     target_dir = resolve_target_dir()
-    result = {"max_new_tokens": n, "block_size": BLOCK, "threads": args.threads,
+    result = {"max_new_tokens": n, "block_size": BLOCK, "threads": args.threads, "drafter": args.drafter or "bundled",
+              "arch": drafter.config.arch,
               "llama_server": str(llamacpp_bin("llama-server")),
               "writer_vs_converter": {} if args.skip_writer_check else writer_vs_converter(drafter, target_dir)}
     print(json.dumps(result["writer_vs_converter"], indent=1))
@@ -174,7 +180,8 @@ def summarize(rows: list[dict], n: int) -> dict:
 
 def markdown(result: dict) -> str:
     lines = ["# llama.cpp runs dflashkit's GGUF drafter", "",
-             f"Bundled drafter, SmolLM2-135M-Instruct, greedy, {result['max_new_tokens']} tokens, block "
+             f"Drafter: {result.get('drafter', 'bundled')} ({result.get('arch', 'dflash')}), SmolLM2-135M-Instruct, "
+             "greedy, {result['max_new_tokens']} tokens, block "
              f"{result['block_size']}, {result['threads']} threads, llama-server `{result['llama_server']}`. Produced "
              "by `scripts/llamacpp_check.py`.", "",
              "| check | result |", "|---|---|"]

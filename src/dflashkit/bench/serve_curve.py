@@ -208,6 +208,8 @@ def bench_serve(cfg: CurveConfig, prompts: int = 64) -> dict:
         raise ValueError(f"--max-tokens 1..1024, --peer-block 2..16, --concurrency values 1..{MAX_CONCURRENCY}")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     with contextlib.ExitStack() as stack:
         servers = start_servers({ENGINES[e][0] for e in cfg.engines}, out / "logs", cfg.threads, cfg.max_len,
                                 cfg.peer_block, stack)
