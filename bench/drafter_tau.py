@@ -7,7 +7,8 @@ Every drafter (the bundled one first, then each --drafter) decodes the same prom
 16, every step drafted: `policy="fixed"`, no tree, no lookup), the prompts of a dataset batched together; greedy,
 bf16. tau = committed tokens per verify step (the bonus token included); first slot = the share of steps whose
 first draft was accepted. Each output is compared with AR's (0 differing is the lossless check). A ratio of taus
-needs no quiet host: the numbers are counts, not times. Writes drafter_tau.json and .md.
+needs no quiet host: the numbers are counts, not times. Writes drafter_tau.json (after each dataset; a rerun
+continues with the datasets not yet measured) and .md.
 """
 
 from __future__ import annotations
@@ -43,18 +44,21 @@ def main() -> int:
     drafters = {"bundled": bundled, **{d: load_drafter(d, dtype=target.dtype, num_target_layers=target.num_layers)
                                        for d in args.drafter}}
     plain = DFlashEngine(target, None, tokenizer=tok)
-    res = {}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": " ".join(["bench/drafter_tau.py"] + sys.argv[1:]), "prompts": args.prompts,
+            "max_new_tokens": args.max_new_tokens, "dtype": "bfloat16", "block_size": 16}
+    done = out / "drafter_tau.json"  # resumable: a dataset already measured with the same drafters is kept
+    res = json.loads(done.read_text())["results"] if done.is_file() else {}
     for name in args.datasets.split(","):
+        if set(res.get(name, {})) == set(drafters):
+            continue
         prompts = [encode_chat(tok, it[0]) for it in load_dataset(name, args.prompts)]
         ar = plain.generate(prompts, max_new_tokens=args.max_new_tokens, config=DecodeConfig.autoregressive())
         res[name] = {d: chain_tau(DFlashEngine(target, dr, tokenizer=tok), prompts, args.max_new_tokens, ar)
                      for d, dr in drafters.items()}
         print(json.dumps({name: res[name]}), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join(["bench/drafter_tau.py"] + sys.argv[1:]), "prompts": args.prompts,
-            "max_new_tokens": args.max_new_tokens, "dtype": "bfloat16", "block_size": 16}
-    (out / "drafter_tau.json").write_text(json.dumps({"meta": meta, "results": res}, indent=2) + "\n")
+        done.write_text(json.dumps({"meta": meta, "results": res}, indent=2) + "\n")
     names = list(drafters)
     md = [f"# Chain tau on untuned prompts (`{meta['command']}`)", "",
           f"{args.prompts} prompts per dataset, {args.max_new_tokens} new tokens, greedy, bf16, block 16, every step "
