@@ -99,7 +99,7 @@ def main() -> int:
     target_dir = resolve_target_dir()
     result = {"max_new_tokens": n, "block_size": BLOCK, "threads": args.threads, "drafter": args.drafter or "bundled",
               "arch": drafter.config.arch,
-              "llama_server": str(llamacpp_bin("llama-server")),
+              "llama_server": _shown(llamacpp_bin("llama-server")),
               "writer_vs_converter": {} if args.skip_writer_check else writer_vs_converter(drafter, target_dir)}
     print(json.dumps(result["writer_vs_converter"], indent=1))
 
@@ -146,6 +146,14 @@ def main() -> int:
     return 0
 
 
+def _shown(path: Path) -> str:
+    """A path as results may name it: relative to the repository, never a host path."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return f"$DFLASHKIT_LLAMACPP_BIN/{path.name}"
+
+
 def _gap(target, prompt: list[int], tokens: list[int], at: int) -> float:
     """The top-2 logit gap of the AR token at position `at` (our float32 reference forward): how near a tie the
     token llama.cpp's batched verification chose differently was."""
@@ -181,7 +189,7 @@ def summarize(rows: list[dict], n: int) -> dict:
 def markdown(result: dict) -> str:
     lines = ["# llama.cpp runs dflashkit's GGUF drafter", "",
              f"Drafter: {result.get('drafter', 'bundled')} ({result.get('arch', 'dflash')}), SmolLM2-135M-Instruct, "
-             "greedy, {result['max_new_tokens']} tokens, block "
+             f"greedy, {result['max_new_tokens']} tokens, block "
              f"{result['block_size']}, {result['threads']} threads, llama-server `{result['llama_server']}`. Produced "
              "by `scripts/llamacpp_check.py`.", "",
              "| check | result |", "|---|---|"]
