@@ -128,11 +128,16 @@ def drafter_gguf(out: Path) -> str:
 def start_servers(names: set[str], logs: Path, threads: int, max_len: int, block: int,
                   stack: contextlib.ExitStack) -> dict:
     """{server name: Server, or the Skip that says why not}; each server stops when `stack` closes."""
+    import shutil
+    import tempfile
+
     from ..loader import BUNDLED_DRAFTER
 
+    scratch = Path(tempfile.mkdtemp(prefix="dflashkit-bench-serve-"))  # the GGUF drafter: ~60 MB, not a result
+    stack.callback(shutil.rmtree, scratch, True)
     makers = {"dflashkit": lambda: dflashkit_server(logs, threads, max_len),
               "llama-server": lambda: llama_server(logs, threads, max_len, None, 1),
-              "llama-server-dflash": lambda: llama_server(logs, threads, max_len, drafter_gguf(logs), block),
+              "llama-server-dflash": lambda: llama_server(logs, threads, max_len, drafter_gguf(scratch), block),
               "vllm": lambda: vllm_server(logs, threads, max_len, None, 1),
               "vllm-dflash": lambda: vllm_server(logs, threads, max_len, str(BUNDLED_DRAFTER), block)}
     out = {}
