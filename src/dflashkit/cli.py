@@ -384,7 +384,8 @@ def _bench_and_serve_parsers(sub) -> None:
     c.add_argument("--requests-per-user", type=int, default=2, help="a cell sends max(8, c x this) requests")
     c.add_argument("--peer-block", type=int, default=4, help="llama.cpp's and vLLM's DFlash block (drafts + 1)")
     c.add_argument("--threads", type=int, default=None, help="threads per server (default: torch's count)")
-    c.add_argument("--out", default="bench/results/serve-curve")
+    c.add_argument("--out", default="bench/results/serve-curve",
+                   help="serve_curve.json, serve_curve.md, pareto.png and the servers' logs go here")
     c.set_defaults(func=cmd_bench_serve)
 
     sv = sub.add_parser("serve", formatter_class=Help, help="OpenAI-compatible server with continuous batching")
