@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -22,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from ..errors import DFlashError
+from .process import free_port, stop
 from .turn import Skip, Turn
 
 ACCEPTED = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
@@ -37,19 +37,13 @@ def llamacpp_bin(tool: str) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaServerMethod:
     """One llama-server process: greedy AR (`drafter_gguf=None`) or DFlash drafting `block_size - 1` tokens."""
 
     def __init__(self, target_gguf: str, name: str, threads: int, drafter_gguf: str | None = None,
                  block_size: int = 1, ctx: int = 4096):
         self.name, self.block_size = name, (block_size if drafter_gguf else 1)
-        self.port = _free_port()
+        self.port = free_port()
         cmd = [str(llamacpp_bin("llama-server")), "-m", target_gguf, "--host", "127.0.0.1", "--port", str(self.port),
                "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", "1", "--no-webui"]
         if drafter_gguf:
@@ -102,12 +96,7 @@ class LlamaServerMethod:
         return out
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop(self.proc)
 
 
 def target_gguf(ctx) -> str:

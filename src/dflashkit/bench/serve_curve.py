@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .peers import Skip
 from .runner import turn_order
+from .servers import MODEL
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class RequestRecord:
 def ask(client, prompt: str, max_tokens: int, extra: dict) -> RequestRecord:
     t0 = time.perf_counter()
     first, tokens = None, 0
-    stream = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": prompt}],
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
                                             max_tokens=max_tokens, temperature=0, stream=True,
                                             stream_options={"include_usage": True}, extra_body=extra or None)
     for chunk in stream:
@@ -112,11 +113,10 @@ def throughput_at(cells: list[dict], x: float) -> float | None:
 
 
 def run_curve(cfg: CurveConfig, prompts: list[str], servers: dict) -> dict:
-    """servers: {server name: Server or Skip}. Returns the report (cells per engine, skips, settings)."""
+    """servers: {server name: Server or Skip} (cfg checked by `bench_serve`). Returns the report (cells per engine,
+    skips, settings)."""
     import openai
 
-    if not all(1 <= c <= MAX_CONCURRENCY for c in cfg.concurrency):
-        raise ValueError(f"concurrency must be 1..{MAX_CONCURRENCY}")
     live = [e for e in cfg.engines if not isinstance(servers[ENGINES[e][0]], Skip)]
     skipped = {e: str(servers[ENGINES[e][0]]) for e in cfg.engines if e not in live}
     clients = {e: openai.OpenAI(base_url=servers[ENGINES[e][0]].base + "/v1", api_key="none", timeout=1800,

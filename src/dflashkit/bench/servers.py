@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,14 +22,9 @@ from pathlib import Path
 
 from ..errors import DFlashError
 from .peers import Skip, vllm_env, vllm_python
+from .process import free_port, stop
 
 MODEL = "smollm2"  # the name every server is told to serve under
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -43,13 +37,7 @@ class Server:
     log: Path
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
 
     def tail(self) -> str:
         return " | ".join(self.log.read_text(errors="replace").strip().splitlines()[-5:])
