@@ -4,7 +4,8 @@
   `speculate: false`, so the default / AR ratio carries no process-to-process spread.
 - `llama-server`: llama.cpp's server on the bundled Q4_1 GGUF, plain or drafting with our drafter exported to GGUF
   (`--spec-type draft-dflash`). Needs `scripts/llamacpp-build.sh --tools-only`.
-- `vllm`: `vllm serve` (CPU build), plain or with our drafter (`method: dflash`). Needs `scripts/vllm-env.sh`.
+- `vllm`: `vllm serve` (CPU build), plain or with our drafter's speculators export (`method: dflash`). Needs
+  `scripts/vllm-env.sh`.
 Every server gets the same threads; a missing peer is a `Skip` that names the command installing it.
 """
 
@@ -113,21 +114,29 @@ def drafter_gguf(out: Path) -> str:
     return str(export_gguf(drafter, default_gguf(), out / "drafter.gguf"))
 
 
+def vllm_drafter(out: Path) -> str:
+    """The bundled drafter in the speculators layout (what `dflashkit export --format speculators` writes), the
+    layout vLLM's own training stack produces, written for the run under `out`."""
+    from ..export import export_speculators
+    from ..loader import load_models, resolve_target_dir
+
+    target, _, drafter, _ = load_models(None, None, dtype="float32")
+    return str(export_speculators(drafter, target, str(resolve_target_dir(None)), out / "speculators"))
+
+
 def start_servers(names: set[str], logs: Path, threads: int, max_len: int, block: int,
                   stack: contextlib.ExitStack) -> dict:
     """{server name: Server, or the Skip that says why not}; each server stops when `stack` closes."""
     import shutil
     import tempfile
 
-    from ..loader import BUNDLED_DRAFTER
-
-    scratch = Path(tempfile.mkdtemp(prefix="dflashkit-bench-serve-"))  # the GGUF drafter: ~60 MB, not a result
+    scratch = Path(tempfile.mkdtemp(prefix="dflashkit-bench-serve-"))  # the exported drafters: not results
     stack.callback(shutil.rmtree, scratch, True)
     makers = {"dflashkit": lambda: dflashkit_server(logs, threads, max_len),
               "llama-server": lambda: llama_server(logs, threads, max_len, None, 1),
               "llama-server-dflash": lambda: llama_server(logs, threads, max_len, drafter_gguf(scratch), block),
               "vllm": lambda: vllm_server(logs, threads, max_len, None, 1),
-              "vllm-dflash": lambda: vllm_server(logs, threads, max_len, str(BUNDLED_DRAFTER), block)}
+              "vllm-dflash": lambda: vllm_server(logs, threads, max_len, vllm_drafter(scratch), block)}
     out = {}
     for name in sorted(names, key=list(makers).index):
         try:
