@@ -6,9 +6,13 @@ results under --out as it goes, so a run cut short still returns what it finishe
     python scripts/train_default_drafter.py --gguf SmolLM2.gguf --prompts prompts.jsonl.gz --out OUT \
         --gen-seconds 190 --train-seconds 260
 
-Outputs (at most 8 files): train-data.npz, heldout-data.npz, drafter-0{0,1,2}.safetensors (bf16 shards of
-model.safetensors), train_log.jsonl, report.json (with the drafter's config.json under "drafter_config"),
-and the caller's log.
+Outputs (at most 8 files): train-data.npz, heldout-data.npz, drafter-NN.safetensors (bf16 shards of
+model.safetensors, each under 14 MB), report.json (with the drafter's config.json under "drafter_config" and the
+training log's records under "train_log"), and the caller's log.
+
+DFlash2 from the bundled v1 drafter (the selector and convolutions start where it drafts v1's chain):
+    ... --arch dflash2 --init-from src/dflashkit/drafters/smollm2-135m-instruct --selector-rank 64 \
+        --selector-lr-scale 10
 """
 
 from __future__ import annotations
@@ -59,6 +63,10 @@ def main() -> int:
     ap.add_argument("--train-seconds", type=float, default=260)
     ap.add_argument("--chunk-size", type=int, default=1024)
     ap.add_argument("--max-new-tokens", type=int, default=320)
+    ap.add_argument("--max-prompt-tokens", type=int, default=10_000, help="skip longer prompts (counted)")
+    ap.add_argument("--arch", default="dflash", choices=("dflash", "dflash2"))
+    ap.add_argument("--selector-rank", type=int, default=None)
+    ap.add_argument("--selector-lr-scale", type=float, default=1.0, help="DFlash2's selector learns at lr x this")
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--num-anchors", type=int, default=128)
@@ -113,7 +121,7 @@ def main() -> int:
     t_gen = time.time()
     for split in ("heldout", "train") if not args.skip_gen else ():
         generate_responses(engine, tok, records, data_dir, split, chunk_size=args.chunk_size,
-                           max_prompt_tokens=10_000, max_new_tokens=args.max_new_tokens, deadline=gen_deadline)
+                           max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens, deadline=gen_deadline)
     for split in ("heldout", "train"):
         merged = merge(load_shards(data_dir, split))
         merged.save(out / f"{split}-data.npz")
@@ -131,7 +139,8 @@ def main() -> int:
     # ---- phase 2: calibrate the step time, then train to fit the remaining budget
     base = dict(data_dir=str(data_dir), num_layers=args.layers, target_layer_ids=[1, 7, 14, 20, 27], block_size=16,
                 num_anchors=args.num_anchors, gamma=7.0, max_len=args.max_len, batch_size=args.batch_size,
-                lr=args.lr, warmup_ratio=0.04, init_from=args.init_from, grad_clip=1.0, bf16=True, device=device, seed=0, log_every=25)
+                lr=args.lr, warmup_ratio=0.04, init_from=args.init_from, grad_clip=1.0, bf16=True, device=device, seed=0, log_every=25,
+                arch=args.arch, selector_rank=args.selector_rank, selector_lr_scale=args.selector_lr_scale)
     train_start = time.time()
     if args.steps:
         per_step = None
@@ -157,12 +166,13 @@ def main() -> int:
     # ---- outputs: the drafter as bf16 shards (merged into model.safetensors back home)
     from safetensors.torch import load_file, save_file
     state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(run / "drafter" / "model.safetensors").items()}
-    for i, part in enumerate(split_state(state, 3)):
+    n_files = max(1, -(-sum(v.numel() * v.element_size() for v in state.values()) // 14_000_000))
+    for i, part in enumerate(split_state(state, n_files)):
         save_file({k: v.contiguous() for k, v in part.items()}, str(out / f"drafter-{i:02d}.safetensors"))
     cfgd = json.loads((run / "drafter" / "config.json").read_text())
     cfgd["torch_dtype"] = "bfloat16"
     report["drafter_config"] = cfgd
-    (out / "train_log.jsonl").write_text((run / "train_log.jsonl").read_text())
+    report["train_log"] = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines() if line]
     (out / "recipe.json").unlink(missing_ok=True)
     report["recipe"] = json.loads((run / "recipe.json").read_text())
     report["total_seconds"] = round(time.time() - t0, 1)

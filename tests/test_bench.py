@@ -32,6 +32,28 @@ def test_heldout_split_is_disjoint_from_training():
     assert not {r["id"] for r in held} & {r["id"] for r in records if r["split"] == "train"}
 
 
+def test_second_turn_prompts_follow_the_first_exchange(tmp_path):
+    """`build_prompts(second_turns=True)`: a conversation that opens human, gpt, human also gives its second user turn
+    after the first exchange (same split as its first turn); shorter ones, or a second turn that overlaps a
+    benchmark, give none."""
+    from dflashkit.data import build_prompts, humaneval_prompts
+
+    bench_text = humaneval_prompts()[0]["prompt"]
+    convs = [{"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
+                                           {"from": "human", "value": "tell me more"}]},
+             {"id": "b", "conversations": [{"from": "human", "value": "only one turn"}]},
+             {"id": "c", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"},
+                                           {"from": "human", "value": bench_text}]}]
+    f = tmp_path / "c.jsonl"
+    f.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    records, report = build_prompts(0.5, str(f), second_turns=True)
+    by_id = {r["id"]: r for r in records}
+    assert set(by_id) == {"a", "a/t2", "b", "c"} and report["second_turns"] == 1
+    assert [m["role"] for m in by_id["a/t2"]["messages"]] == ["user", "assistant", "user"]
+    assert by_id["a/t2"]["messages"][2]["content"] == "tell me more" and by_id["a/t2"]["split"] == by_id["a"]["split"]
+    assert {r["id"] for r in build_prompts(0.5, str(f))[0]} == {"a", "b", "c"}  # off by default
+
+
 def test_prompt_file_and_speed_bench_dir(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "a"}\n\n{"messages": [{"role": "user", "content": "b"}, {"role": "assistant", "content": "x"},'

@@ -172,6 +172,30 @@ def test_training_a_dflash2_drafter_from_a_v1_drafter_learns_the_selector(tmp_pa
     assert torch.equal(made.layers[0].mlp.up_proj.weight, v1.layers[0].mlp.up_proj.weight)  # only the selector trained
 
 
+def test_selector_lr_scale_moves_the_selector_alone_faster(tmp_path):
+    """`selector_lr_scale`: the selector's parameters learn at lr x scale, the layers and convolutions at lr (scale 0:
+    the selector stays at its converted values while everything else trains)."""
+    from test_train import recipe, tiny_setup
+    from dflashkit.train import TrainConfig, train
+
+    target_dir, data = tiny_setup(tmp_path)
+    train(TrainConfig.from_file(recipe(tmp_path, target_dir, data, "v1", steps=2)))
+    start = load_drafter(tmp_path / "v1" / "drafter")
+    runs = {}
+    for scale in (0.0, 1.0):
+        cfg = TrainConfig.from_file(recipe(tmp_path, target_dir, data, f"s{scale}", steps=2, arch="dflash2",
+                                           init_from=str(tmp_path / "v1" / "drafter"), selector_rank=8,
+                                           selector_lr_scale=scale))
+        runs[scale] = train(cfg)
+    frozen, moving = runs[0.0].candidate_selector, runs[1.0].candidate_selector
+    assert torch.equal(frozen.predecessor_codebook.weight, torch.zeros_like(frozen.predecessor_codebook.weight))
+    assert not torch.equal(moving.predecessor_codebook.weight, frozen.predecessor_codebook.weight)
+    for run in runs.values():  # the layers and the convolutions train at lr either way
+        assert not torch.equal(run.layers[0].mlp.up_proj.weight, start.layers[0].mlp.up_proj.weight)
+        assert not torch.equal(run.layers[0].mlp_conv.kernel_projection.weight,
+                               torch.zeros_like(run.layers[0].mlp_conv.kernel_projection.weight))
+
+
 def test_selector_only_training_step_gives_the_full_steps_selector_gradient():
     """train_only="selector" runs the layers without a graph and one logits pass: the selector's gradient and the
     per-slot argmax counts equal the full step's (whose unary loss does not depend on the selector)."""

@@ -12,7 +12,7 @@ from .errors import DFlashError
 def cmd_data_prompts(args) -> int:
     from .data import build_prompts, write_prompts
 
-    records, report = build_prompts(args.held_out, args.source)
+    records, report = build_prompts(args.held_out, args.source, args.second_turns)
     path = write_prompts(records, report, args.out)
     print(json.dumps({"prompts": str(path), **report}))
     return 0
@@ -100,6 +100,8 @@ def training_parsers(sub) -> None:
     dp.add_argument("--out", required=True, help="output directory (prompts.jsonl + manifest.json)")
     dp.add_argument("--source", default=None, help="JSONL of {prompt} or {messages} objects (default: ShareGPT)")
     dp.add_argument("--held-out", type=float, default=0.02, help="fraction of conversations held out (by id hash)")
+    dp.add_argument("--second-turns", action="store_true",
+                    help="also each ShareGPT conversation's second user turn after its first exchange (multi-turn)")
     dp.set_defaults(func=cmd_data_prompts)
     dg = d.add_parser("generate", formatter_class=Help, help="regenerate responses with the target (resumable chunks)")
     dg.add_argument("--prompts", required=True, help="prompts.jsonl from `dflashkit data prompts`")

@@ -90,11 +90,14 @@ def is_held_out(conv_id: str, fraction: float) -> bool:
     return h / 0xFFFFFFFF < fraction
 
 
-def build_prompts(held_out_fraction: float = 0.02, user_file: str | None = None) -> tuple[list[dict], dict]:
+def build_prompts(held_out_fraction: float = 0.02, user_file: str | None = None,
+                  second_turns: bool = False) -> tuple[list[dict], dict]:
     """Prompt records {id, messages, split}: the first user turn of each conversation.
 
     `user_file`: a JSONL of {"prompt": str} or {"messages": [...]} (or ShareGPT-style {"conversations": [...]})
-    instead of ShareGPT. Returns (records, report).
+    instead of ShareGPT. `second_turns`: also, per ShareGPT conversation with one, its second user turn after the
+    first exchange as the dataset has it (id "<id>/t2"; the target answers turn 2 in a multi-turn context, as in
+    MT-Bench's second turns). Returns (records, report).
     """
     if user_file:
         raw = []
@@ -124,11 +127,25 @@ def build_prompts(held_out_fraction: float = 0.02, user_file: str | None = None)
             dropped_overlap += 1
             continue
         cid = str(conv.get("id"))
-        records.append({"id": cid, "messages": [{"role": "user", "content": text}],
-                        "split": "heldout" if is_held_out(cid, held_out_fraction) else "train"})
+        split = "heldout" if is_held_out(cid, held_out_fraction) else "train"  # a conversation's turns share it
+        records.append({"id": cid, "messages": [{"role": "user", "content": text}], "split": split})
+        later = _second_turn(conv) if second_turns else None
+        if later and not any(_shingles(m["content"]) & bench for m in later[1:]):
+            records.append({"id": f"{cid}/t2", "messages": later, "split": split})
     report = {"conversations": len(raw), "kept": len(records), "dropped_benchmark_overlap": dropped_overlap,
-              "dropped_empty": dropped_empty, "heldout": sum(r["split"] == "heldout" for r in records)}
+              "dropped_empty": dropped_empty, "heldout": sum(r["split"] == "heldout" for r in records),
+              "second_turns": sum(r["id"].endswith("/t2") for r in records)}
     return records, report
+
+
+def _second_turn(conv: dict) -> list[dict] | None:
+    """[user 1, assistant 1, user 2] of a ShareGPT-style conversation that opens human, gpt, human (else None)."""
+    turns = conv.get("conversations") or []
+    roles = {"human": "user", "gpt": "assistant"}
+    if len(turns) < 3 or [t.get("from") for t in turns[:3]] != ["human", "gpt", "human"]:
+        return None
+    msgs = [{"role": roles[t["from"]], "content": t.get("value")} for t in turns[:3]]
+    return msgs if all(isinstance(m["content"], str) and m["content"].strip() for m in msgs) else None
 
 
 def write_prompts(records: list[dict], report: dict, out_dir: str | Path) -> Path:

@@ -53,6 +53,10 @@ class TrainConfig:
     # of a converted v1 drafter at a fraction of a full step's cost on a CPU); "dflash2" (the selector and the
     # convolutions).
     train_only: str = "all"
+    # DFlash2's candidate selector learns at lr x this: converted from a trained v1 drafter, it starts at the unary
+    # scores while the layers are already trained, so a fine-tune at the layers' small lr would barely move it. (Not
+    # the convolutions: their dynamic kernel is a projection from zero, and a large Adam lr blows it up in a few steps.)
+    selector_lr_scale: float = 1.0
     # Reduced draft vocabulary: the most frequent target tokens of the training responses (None = full).
     # The loss and the drafting run over these rows of the LM head only; verification stays exact.
     draft_vocab_size: int | None = None
@@ -319,6 +323,17 @@ def _prepare(cfg: TrainConfig, target, tokenizer, device):
     return target, drafter, train_shards, vocab
 
 
+def _param_groups(drafter: DFlashDrafter, cfg: TrainConfig) -> list[dict]:
+    """The trainable parameters in two groups: DFlash2's selector (lr x selector_lr_scale) and the rest (an empty group
+    is left out; the groups and their order only depend on the recipe, so a checkpoint's optimizer state reloads)."""
+    new, old = [], []
+    for name, p in drafter.named_parameters():
+        if p.requires_grad:
+            (new if name.startswith("candidate_selector.") else old).append(p)
+    groups = [{"params": old, "lr_scale": 1.0}, {"params": new, "lr_scale": cfg.selector_lr_scale}]
+    return [g for g in groups if g["params"]]
+
+
 def _resume(drafter: DFlashDrafter, opt, ckpt: Path, device) -> int:
     """Load checkpoint.pt if there is one; returns the step to continue from."""
     if not ckpt.exists():
@@ -354,7 +369,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> DFlashDrafter:
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out_dir)
     target, drafter, train_shards, vocab = _prepare(cfg, target, tokenizer, device)
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.betas),
+    opt = torch.optim.AdamW(_param_groups(drafter, cfg), lr=cfg.lr, betas=tuple(cfg.betas),
                             weight_decay=cfg.weight_decay)
     step = _resume(drafter, opt, out / "checkpoint.pt", device)
     model = drafter
@@ -376,7 +391,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> DFlashDrafter:
     drafter.train()
     while step < cfg.steps:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
+            g["lr"] = lr_at(step, cfg) * g["lr_scale"]
         opt.zero_grad(set_to_none=True)
         tot_loss, correct, count, sel = 0.0, 0, 0, [0.0, 0.0, 0.0]  # sel: DFlash2's selector loss, hits, held
         for micro in range(cfg.grad_accum):
