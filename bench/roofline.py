@@ -97,14 +97,15 @@ def target_steps(t, ctx: int, m: dict, repeats: int) -> dict:
     return out
 
 
-def drafter_steps(target, tok, ctx: int, m: dict, repeats: int) -> dict:
-    """The bundled drafter's drafting step (its block of B queries per row) at 1-16 rows, after a ctx-token prompt."""
+def drafter_steps(target, tok, ctx: int, m: dict, repeats: int, draft_vocab: int | None) -> dict:
+    """The bundled drafter's drafting step (its block of B queries per row) at 1-16 rows, after a ctx-token prompt;
+    draft_vocab as `DecodeConfig.draft_vocab` (None: the drafter's default, as `dflashkit generate` runs it)."""
     from dflashkit import DecodeConfig, DFlashEngine
     from dflashkit.loader import load_default_drafter
     from dflashkit.proposers import DraftView
 
     drafter, _ = load_default_drafter(target, tok)
-    eng = DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig(policy="fixed"))
+    eng = DFlashEngine(target, drafter, tokenizer=tok, config=DecodeConfig(policy="fixed", draft_vocab=draft_vocab))
     prop = eng.drafter_proposer(eng.config)
     B, dc = prop.block_size, drafter.config
     params = sum(p.numel() for n, p in drafter.named_parameters() if "embed" not in n)
@@ -126,23 +127,29 @@ def drafter_steps(target, tok, ctx: int, m: dict, repeats: int) -> dict:
 
 
 def main() -> int:
-    from dflashkit.kernels import isa
+    from dflashkit.kernels import isa, set_isa
     from dflashkit.loader import load_target
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results/roofline")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--context", type=int, default=176)
+    ap.add_argument("--isa", default="auto", choices=("auto", "avx512bf16", "avx2"),
+                    help="rowlinear's instruction path (`kernels.set_isa`): A/B runs of one host's paths")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="the drafting step's draft vocabulary (default: the drafter's own, 16,384 ids for the bundled "
+                         "one, as `dflashkit generate` drafts; 0: the full vocabulary)")
     args = ap.parse_args()
     m = machine(args.repeats)
+    set_isa(args.isa)  # before the target loads: the plan (and the bits) follow the path
     target, tok = load_target(dtype="bfloat16")
     with torch.inference_mode():
         steps = target_steps(target, args.context, m, args.repeats)
-        drafts = drafter_steps(target, tok, args.context, m, args.repeats)
+        drafts = drafter_steps(target, tok, args.context, m, args.repeats, args.draft_vocab)
     one = steps["1x1"]["ms"]
     meta = {"command": "bench/roofline.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
             "cpu": cpu_name(), "threads": torch.get_num_threads(), "engine": getattr(target, "engine_name", "?"),
-            "rowlinear_isa": isa(), "context": args.context, **m, **target_shape(target)}
+            "rowlinear_isa": isa(), "context": args.context, "draft_vocab": args.draft_vocab, **m, **target_shape(target)}
     res = {"meta": meta, "target": steps, "drafter": drafts,
            "verify4_over_step1": round(steps["1x4"]["ms"] / one, 3),
            "draft1_over_step1": round(drafts["1"]["ms"] / one, 3)}
@@ -176,7 +183,9 @@ def report(res: dict) -> str:
         lines.append(f"| {r} | " + " | ".join(f"{t[f'{r}x{w}']['ms']:.1f} ({t[f'{r}x{w}']['fraction']:.0%})"
                                                for w in WIDTHS) + " |")
     d = res["drafter"]
-    lines += ["", "Drafting step (the bundled drafter, one block per row): ms, and roofline / measured.", "",
+    vocab = {None: "its default draft vocabulary", 0: "the full vocabulary"}.get(mt.get("draft_vocab"),
+                                                                               f"a {mt.get('draft_vocab')}-id vocabulary")
+    lines += ["", f"Drafting step (the bundled drafter, one block per row, {vocab}): ms, and roofline / measured.", "",
               "| rows | " + " | ".join(map(str, ROWS)) + " |", "|---|" + "---|" * len(ROWS),
               "| ms (fraction) | " + " | ".join(f"{d[str(r)]['ms']:.1f} ({d[str(r)]['fraction']:.0%})" for r in ROWS)
               + " |", "", f"A 4-token verify costs **{res['verify4_over_step1']:.2f}x** a one-token step; a drafting "

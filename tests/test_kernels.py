@@ -36,12 +36,15 @@ def test_ggml_blocks_dequantise_as_the_gguf_library_does(kind):
     assert torch.allclose(lin(x, out_fp32=True), x @ ref.T, rtol=1e-4, atol=1e-4)
 
 
-@pytest.fixture(params=["auto", "avx2"])
+@pytest.fixture(params=["auto", "avx512bf16", "avx2"])
 def isa(request):
-    """The kernels as this CPU runs them ("auto": rowlinear's bf16 path on 16-lane bf16 dot products on AVX512-BF16
-    CPUs, qlinear's 16-lane VNNI tile on AVX512-VNNI CPUs) and their 8-lane AVX2 paths forced, so both are tested on
-    any host."""
+    """The kernels as this CPU runs them ("auto": rowlinear's bf16 weights on AMX tiles on AMX CPUs, on 16-lane bf16
+    dot products on AVX512-BF16 CPUs; qlinear's 16-lane VNNI tile on AVX512-VNNI CPUs), the AVX-512 dot products
+    forced on an AMX CPU, and the 8-lane AVX2 paths forced, so every path this host has is tested."""
     got = set_isa(request.param)
+    if request.param != "auto" and got != request.param:
+        set_isa("auto")
+        pytest.skip(f"this CPU has no {request.param}")
     yield got
     set_isa("auto")
 
@@ -60,7 +63,7 @@ def test_rows_are_bit_identical_whatever_the_row_count(kind, n_out, k, isa):
     full = lin(x)
     assert full.dtype == torch.bfloat16 and full.shape == (37, n_out)
     w = lin.dequantize()
-    if kind in ("q4_1", "q8_0") and isa == "avx512bf16":  # decoded to bf16 weights there (`RowLinear.as_bf16`)
+    if kind in ("q4_1", "q8_0") and isa in ("avx512bf16", "amx"):  # decoded to bf16 there (`RowLinear.as_bf16`)
         w = lin.as_bf16().float()
     ref = x.float() @ w.T
     # 8-bit activations round each input to ~1/254 of its block's range: error ~1-2 % of the output's scale
@@ -72,13 +75,17 @@ def test_rows_are_bit_identical_whatever_the_row_count(kind, n_out, k, isa):
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_4bit_codes_on_bf16_dot_products_are_the_bf16_layer_of_their_rounded_weights(kind):
+def test_4bit_codes_on_bf16_dot_products_are_the_bf16_layer_of_their_rounded_weights(kind, request):
     """On AVX512-BF16 CPUs rowlinear decodes 4/8-bit codes to bf16 once per tile and runs the bf16 kernel's dot
     products: the output is, to the bit, the bf16 layer of those rounded weights, at every row count."""
     from dflashkit.kernels import isa
 
-    if isa() != "avx512bf16":
+    if isa() not in ("avx512bf16", "amx"):
         pytest.skip("this CPU has no AVX512-BF16: 4-bit codes take the 8-lane fp32 path")
+    # On AMX CPUs bf16 weights take the tile instructions (other bits) while codes stay on the dot products: compare
+    # on the dot-product path, where both run.
+    set_isa("avx512bf16")
+    request.addfinalizer(lambda: set_isa("auto"))
     torch.manual_seed(5)
     lin = _ggml(kind, torch.randn(53, 608))[0]
     twin = RowLinear.from_bf16(lin.as_bf16())

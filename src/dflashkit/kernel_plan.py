@@ -101,7 +101,7 @@ def choose(target, gguf: Path | None, kernel: str = "auto", quant: str | None = 
     if quant != "none" and gguf is None:
         raise DFlashError("--quant int4 reads a GGUF's own 4-bit codes; this target is not a GGUF target. "
                           "Give --target FILE.gguf (Q4_1), or drop --quant.")
-    codes = (quant == "none" and gguf is not None and isa() == "avx512bf16"
+    codes = (quant == "none" and gguf is not None and isa() in ("avx512bf16", "amx")
              and not os.environ.get("DFLASHKIT_BF16_WEIGHTS"))
     return KernelPlan(linear="rowlinear" if quant == "none" else quant, isa=isa(), codes=codes, attention="attend",
                       stack=not target.layers_unsupported(), sources=source_id())

@@ -114,14 +114,16 @@ def load():
 
 
 def isa() -> str:
-    """The instruction set of rowlinear's bf16 path on this CPU ("avx512bf16" or "avx2"; their bits differ)."""
+    """The instruction set of rowlinear's bf16 path on this CPU ("amx": bf16 weights on AMX tiles, 4/8-bit codes on
+    AVX512-BF16 dot products; "avx512bf16"; or "avx2"; their bits differ)."""
     mod = load()
     return mod.rowlinear_isa() if mod is not None else ""
 
 
 def set_isa(name: str) -> str:
     """"avx2": rowlinear's bf16 path runs its 8-lane AVX2 code on any CPU (tests of that path on AVX512 hosts, A/B
-    benchmarks); "auto": the best this CPU has. Process-wide; set it before loading targets (it changes bits)."""
+    benchmarks); "avx512bf16": an AMX CPU stays on its AVX-512 dot products; "auto": the best this CPU has.
+    Process-wide; set it before loading targets (it changes bits)."""
     mod = load()
     if mod is None:
         raise RuntimeError(f"dflashkit kernels unavailable: {why_unavailable()}")

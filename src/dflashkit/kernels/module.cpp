@@ -13,6 +13,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("qlinear", &qlinear, nogil, "y = q8(x) . W^T for Q4_1 / Q8_0 weights, integer dot products, row-invariant");
   mod.def("attend", &attend, nogil, "the lean target's attention, row-invariant (attention.cpp)");
   mod.def("rowlinear_isa", &rowlinear_isa, "which instruction set rowlinear's bf16 path runs on this CPU");
-  mod.def("rowlinear_set_isa", &rowlinear_set_isa, "'avx2' forces rowlinear's 8-lane path, 'auto' undoes it");
+  mod.def("rowlinear_set_isa", &rowlinear_set_isa, "'avx2': rowlinear's 8-lane path; 'avx512bf16': no AMX; 'auto': the best");
   register_stack(mod);  // Stack: a Llama-style target's decoder layers in one call (layers.cpp)
 }

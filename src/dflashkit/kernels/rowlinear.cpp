@@ -18,8 +18,13 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -246,7 +251,111 @@ DFK_AVX512BF16 void rowlinear_bf16_avx512(const uint16_t* xp, const uint16_t* wp
   });
 }
 
-std::atomic<bool> avx2_only{false};  // set by rowlinear_set_isa("avx2"): tests, A/B benchmarks
+// ---- Intel AMX (AMX-BF16 tiles), where the CPU has them and the OS lets this process use them.
+// Every output element is c = 0 (fp32); for k = 0, 32, 64, ...: c += the 16 pairs w[k + 2j] x[k + 2j] +
+// w[k + 2j + 1] x[k + 2j + 1], j = 0..15 in order (one TDPBF16PS; its own rounding, denormals flushed); y = c. The
+// tile instruction computes each element of its 16 x 16 result alone, so a token's row has the same bits whichever
+// tokens share its tile and whatever M is (tests: row counts 1-37). A C tile holds 16 weight rows x 16 tokens, so a
+// verify of up to 16 tokens costs one tile instruction per 16 x 32 weights, like a one-token step: the weights'
+// memory traffic, not the arithmetic, sets the cost. Its bits differ from the AVX-512 dot-product path's (another
+// summation order), so the engine name says which ran (`isa`: "amx").
+#define DFK_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+struct TileConfig {  // the LDTILECFG memory layout (palette 1)
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The CPU has AMX-BF16 and AMX-TILE (CPUID 7.0:EDX bits 22, 24) and Linux granted the tile data (XTILEDATA, 18) to
+// this process (ARCH_REQ_XCOMP_PERM, 0x1023; Linux >= 5.16). Asked once; the grant is process-wide.
+bool amx_granted() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return ok;
+}
+
+// This thread's tile registers: seven 16 x 64-byte tiles (below). Functions, not inline code: a lambda does not
+// carry its enclosing function's target attribute.
+// Why a constant: GCC 12 does not see _tile_loadconfig read its argument, and drops the stores that would fill a
+// local one (the instruction then faults on an invalid configuration).
+const TileConfig TILES = [] {
+  TileConfig cfg;
+  for (int t = 0; t < 7; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  return cfg;
+}();
+DFK_AMX void amx_begin() { _tile_loadconfig(&TILES); }
+DFK_AMX void amx_end() { _tile_release(); }
+
+// Tiles 0-2: three C tiles (weight rows n0 + 16 t .. + 15 x 16 tokens, t = 0..2); 3-5: their A tiles (16 rows x 32
+// k); 6: the B tile (16 k-pairs x 16 tokens). Three independent accumulators keep the tile unit busy (one waits on
+// its previous product's latency). `tiles`: how many of the three hold weight rows.
+constexpr int64_t AMX_ROWS = 48;
+DFK_AMX void amx_block(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t K, float c[3][16][16], int tiles) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(6, b + (k / 2) * 16, 64);
+    _tile_loadd(3, a + k, lda * 2);
+    _tile_dpbf16ps(0, 3, 6);
+    if (tiles > 1) {
+      _tile_loadd(4, a + 16 * lda + k, lda * 2);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if (tiles > 2) {
+      _tile_loadd(5, a + 32 * lda + k, lda * 2);
+      _tile_dpbf16ps(2, 5, 6);
+    }
+  }
+  _tile_stored(0, c[0], 64);
+  if (tiles > 1) _tile_stored(1, c[1], 64);
+  if (tiles > 2) _tile_stored(2, c[2], 64);
+}
+
+// wp: bf16 weights [N, K]. Only the bf16 kind runs here: 4/8-bit codes decoded into a buffer and read back by tile
+// loads cost ~1.4x the AVX-512 path at one token (measured on a 2-core Xeon: a one-token target step 13.2 vs 9.2 ms),
+// so codes stay on the AVX-512 dot products (`rowlinear_bf16_avx512`, their bits unchanged).
+DFK_AMX void rowlinear_bf16_amx(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K, float* yp) {
+  const int64_t chunks = (M + 15) / 16, pairs = K / 2;
+  // x^T as B tiles, once per call: xt[chunk][k-pair][token] = the bf16 pair x[16 chunk + token][2 k-pair ..] (a
+  // token past M: zeros, its column never stored).
+  std::vector<uint32_t> xt(chunks * pairs * 16, 0);
+  const uint32_t* x32 = reinterpret_cast<const uint32_t*>(xp);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t p = 0; p < pairs; ++p) xt[((i / 16) * pairs + p) * 16 + i % 16] = x32[i * pairs + p];
+  const int64_t blocks = (N + AMX_ROWS - 1) / AMX_ROWS;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    amx_begin();
+    std::vector<uint16_t> buf;  // a last block's rows (rows past the matrix: zeros)
+    alignas(64) float c[3][16][16];
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = AMX_ROWS * blk, rows = std::min(AMX_ROWS, N - n0);
+      const int tiles = static_cast<int>((rows + 15) / 16);
+      const uint16_t* a = wp + n0 * K;
+      if (rows % 16) {
+        buf.assign(AMX_ROWS * K, 0);
+        std::memcpy(buf.data(), a, rows * K * 2);
+        a = buf.data();
+      }
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        amx_block(a, K, xt.data() + ch * pairs * 16, K, c, tiles);
+        const int64_t toks = std::min<int64_t>(16, M - 16 * ch);
+        for (int64_t i = 0; i < toks; ++i)
+          for (int64_t r = 0; r < rows; ++r) yp[(16 * ch + i) * N + n0 + r] = c[r / 16][r % 16][i];
+      }
+    }
+    amx_end();
+  });
+}
+
+// 0: the best this CPU has; 1: at most the AVX-512 dot products (no AMX); 2: the 8-lane AVX2 path. Set by
+// rowlinear_set_isa: tests of every path on one host, A/B benchmarks.
+std::atomic<int> isa_cap{0};
+std::atomic<bool> avx2_only{false};
 
 // Does the bf16 x bf16 path run the 16-lane AVX512-BF16 code here (checked on every call: a bool, not a string)?
 bool bf16_dot_path() {
@@ -254,16 +363,21 @@ bool bf16_dot_path() {
   return cpu && !avx2_only;
 }
 
+bool amx_path() { return bf16_dot_path() && isa_cap == 0 && amx_granted(); }
+
 }  // namespace
 
 bool dflashkit_avx2_forced() { return avx2_only; }
 
-// Which instruction set the bf16 x bf16 path runs here: "avx512bf16" or "avx2" (their bits differ).
-std::string rowlinear_isa() { return bf16_dot_path() ? "avx512bf16" : "avx2"; }
+// Which instruction set the bf16 x bf16 path runs here: "amx", "avx512bf16" or "avx2" (their bits differ).
+std::string rowlinear_isa() { return amx_path() ? "amx" : bf16_dot_path() ? "avx512bf16" : "avx2"; }
 
-// "avx2" forces the 8-lane path on any CPU; "auto" picks the best this CPU has. Returns the ISA now in use.
+// "avx2" forces the 8-lane path on any CPU, "avx512bf16" keeps an AMX CPU on its AVX-512 dot products, "auto" picks
+// the best this CPU has. Returns the ISA now in use.
 std::string rowlinear_set_isa(const std::string& isa) {
-  TORCH_CHECK(isa == "auto" || isa == "avx2", "rowlinear_set_isa: 'auto' or 'avx2', not '", isa, "'");
+  TORCH_CHECK(isa == "auto" || isa == "avx512bf16" || isa == "avx2",
+              "rowlinear_set_isa: 'auto', 'avx512bf16' or 'avx2', not '", isa, "'");
+  isa_cap = isa == "auto" ? 0 : isa == "avx512bf16" ? 1 : 2;
   avx2_only = isa == "avx2";
   return rowlinear_isa();
 }
@@ -287,8 +401,10 @@ torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, t
   if (x.scalar_type() == torch::kBFloat16 && bf16_dot_path()) {  // bf16 activations on bf16 dot products
     torch::Tensor xb = x.contiguous();
     torch::Tensor yb = torch::empty({M, N}, x.options().dtype(torch::kFloat));
-    rowlinear_bf16_avx512(reinterpret_cast<const uint16_t*>(xb.data_ptr()), reinterpret_cast<const uint16_t*>(cp), W,
-                          M, N, K, yb.data_ptr<float>());
+    const auto* xbp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+    const auto* wbp = reinterpret_cast<const uint16_t*>(cp);
+    if (kind == 0 && amx_path()) rowlinear_bf16_amx(xbp, wbp, M, N, K, yb.data_ptr<float>());
+    else rowlinear_bf16_avx512(xbp, wbp, W, M, N, K, yb.data_ptr<float>());
     return out_bf16 ? round_to_bf16(yb) : yb;
   }
   torch::Tensor xf = x.to(torch::kFloat).contiguous();  // bf16 -> fp32 is exact
