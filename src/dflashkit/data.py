@@ -75,6 +75,11 @@ def _shingles(text: str, n: int = 10) -> set[str]:
     return {" ".join(words[i:i + n]) for i in range(max(0, len(words) - n + 1))}
 
 
+def overlaps(text: str, bench: set[str]) -> bool:
+    """Does `text` share a 10-word shingle with the benchmark prompts (`benchmark_shingles`)?"""
+    return bool(_shingles(text) & bench)
+
+
 def benchmark_shingles() -> set[str]:
     s: set[str] = set()
     for p in humaneval_prompts():
@@ -123,14 +128,14 @@ def build_prompts(held_out_fraction: float = 0.02, user_file: str | None = None,
         if not isinstance(text, str) or not text.strip():
             dropped_empty += 1
             continue
-        if _shingles(text) & bench:
+        if overlaps(text, bench):
             dropped_overlap += 1
             continue
         cid = str(conv.get("id"))
         split = "heldout" if is_held_out(cid, held_out_fraction) else "train"  # a conversation's turns share it
         records.append({"id": cid, "messages": [{"role": "user", "content": text}], "split": split})
         later = _second_turn(conv) if second_turns else None
-        if later and not any(_shingles(m["content"]) & bench for m in later[1:]):
+        if later and not any(overlaps(m["content"], bench) for m in later[1:]):
             records.append({"id": f"{cid}/t2", "messages": later, "split": split})
     report = {"conversations": len(raw), "kept": len(records), "dropped_benchmark_overlap": dropped_overlap,
               "dropped_empty": dropped_empty, "heldout": sum(r["split"] == "heldout" for r in records),

@@ -57,7 +57,7 @@ def _held_out_conversations() -> list[list[str]]:
         start = next((k for k, t in enumerate(msgs) if t.get("from") == "human"), len(msgs))
         turns = [t["value"] for t in msgs[start:]]
         if turns and turns[0].strip() and data.is_held_out(str(conv.get("id")), 0.02) \
-                and not data._shingles(turns[0]) & bench:
+                and not data.overlaps(turns[0], bench):
             out.append(turns)
     return out
 

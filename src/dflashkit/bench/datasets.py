@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import DFlashError
 from .categories import speed_bench_like
-from .speed_bench import PREPARE, by_category, read_speed_bench
+from .speed_bench import PREPARE, by_category, read_jsonl, read_speed_bench
 
 HUMANEVAL_WRAPPER = ("Write a solution to the following problem and make sure that it passes the tests:\n"
                      "```python\n{}\n```")
@@ -80,17 +80,11 @@ def load_sets(name: str, limit: int | None = None, speed_bench_dir: str | None =
 
 def load_prompt_file(path: str, limit: int | None = None) -> list[list[str]]:
     items = []
-    for k, line in enumerate(Path(path).read_text().splitlines()):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DFlashError(f"{path} line {k + 1} is not JSON ({e}); one object per line.") from None
-        if "prompt" in rec:
+    for line, rec in read_jsonl(path):
+        if isinstance(rec, dict) and "prompt" in rec:
             items.append([rec["prompt"]])
-        elif "messages" in rec:
+        elif isinstance(rec, dict) and "messages" in rec:
             items.append([m["content"] for m in rec["messages"] if m.get("role") == "user"])
         else:
-            raise DFlashError(f"{path} line {k + 1} has neither 'prompt' nor 'messages'.")
+            raise DFlashError(f"{path} line {line} has neither 'prompt' nor 'messages'.")
     return items[:limit] if limit else items

@@ -47,14 +47,15 @@ def _parquet_records(path: Path) -> list[dict]:
         raise DFlashError(f"cannot read {path} as parquet ({e}); {PREPARE}.") from None
 
 
-def _jsonl_records(path: Path) -> list[dict]:
+def read_jsonl(path: str | Path) -> list[tuple[int, object]]:
+    """(line number, record) of each non-blank line of a JSONL file; a line that is not JSON is refused by number."""
     out = []
-    for k, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+    for k, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
         if line.strip():
             try:
-                out.append(json.loads(line))
+                out.append((k + 1, json.loads(line)))
             except json.JSONDecodeError as e:
-                raise DFlashError(f"{path} line {k + 1} is not JSON ({e}); one record per line.") from None
+                raise DFlashError(f"{path} line {k + 1} is not JSON ({e}); one object per line.") from None
     return out
 
 
@@ -88,7 +89,7 @@ def read_speed_bench(path: str | Path) -> list[SpeedBenchItem]:
         raise DFlashError(f"{root} holds no .parquet or .jsonl file; {PREPARE}.")
     items = []
     for f in files:
-        recs = _parquet_records(f) if f.suffix == ".parquet" else _jsonl_records(f)
+        recs = _parquet_records(f) if f.suffix == ".parquet" else [r for _, r in read_jsonl(f)]
         items += [_item(r, f"{f.name} record {k + 1}") for k, r in enumerate(recs)]
     return items
 
