@@ -259,6 +259,9 @@ DFK_AVX512BF16 void rowlinear_bf16_avx512(const uint16_t* xp, const uint16_t* wp
 // verify of up to 16 tokens costs one tile instruction per 16 x 32 weights, like a one-token step: the weights'
 // memory traffic, not the arithmetic, sets the cost. Its bits differ from the AVX-512 dot-product path's (another
 // summation order), so the engine name says which ran (`isa`: "amx").
+// Compilers without the AMX intrinsics (GCC < 11, clang) build without this path: the CPU then runs the dot products.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && !defined(DFK_NO_AMX)
+#define DFK_HAVE_AMX 1
 #define DFK_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
 struct TileConfig {  // the LDTILECFG memory layout (palette 1)
@@ -351,6 +354,10 @@ DFK_AMX void rowlinear_bf16_amx(const uint16_t* xp, const uint16_t* wp, int64_t 
     amx_end();
   });
 }
+#else
+bool amx_granted() { return false; }
+void rowlinear_bf16_amx(const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, float*) {}
+#endif
 
 // 0: the best this CPU has; 1: at most the AVX-512 dot products (no AMX); 2: the 8-lane AVX2 path. Set by
 // rowlinear_set_isa: tests of every path on one host, A/B benchmarks.
