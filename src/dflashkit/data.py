@@ -75,6 +75,18 @@ def _shingles(text: str, n: int = 10) -> set[str]:
     return {" ".join(words[i:i + n]) for i in range(max(0, len(words) - n + 1))}
 
 
+def read_jsonl(path: str | Path) -> list[tuple[int, object]]:
+    """(line number, record) of each non-blank line of a JSONL file; a line that is not JSON is refused by number."""
+    out = []
+    for k, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
+        if line.strip():
+            try:
+                out.append((k + 1, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise DFlashError(f"{path} line {k + 1} is not JSON ({e}); give one JSON object per line.") from None
+    return out
+
+
 def overlaps(text: str, bench: set[str]) -> bool:
     """Does `text` share a 10-word shingle with the benchmark prompts (`benchmark_shingles`)?"""
     return bool(_shingles(text) & bench)
@@ -105,15 +117,7 @@ def build_prompts(held_out_fraction: float = 0.02, user_file: str | None = None,
     MT-Bench's second turns). Returns (records, report).
     """
     if user_file:
-        raw = []
-        for k, line in enumerate(Path(user_file).read_text().splitlines()):
-            if not line.strip():
-                continue
-            try:
-                raw.append({"id": f"user-{k}", **json.loads(line)})
-            except json.JSONDecodeError as e:
-                raise DFlashError(f"{user_file} line {k + 1} is not JSON ({e}); give one JSON object per "
-                                  "line.") from None
+        raw = [{"id": f"user-{line - 1}", **rec} for line, rec in read_jsonl(user_file)]
     else:
         raw = load_sharegpt()
     bench = benchmark_shingles()

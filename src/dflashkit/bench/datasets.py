@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..data import read_jsonl
 from ..errors import DFlashError
 from .categories import speed_bench_like
-from .speed_bench import PREPARE, by_category, read_jsonl, read_speed_bench
+from .speed_bench import PREPARE, by_category, read_speed_bench
 
 HUMANEVAL_WRAPPER = ("Write a solution to the following problem and make sure that it passes the tests:\n"
                      "```python\n{}\n```")

@@ -12,10 +12,10 @@ The dataset is never bundled and never downloaded here (its licence and this pro
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..data import read_jsonl
 from ..errors import DFlashError
 
 # The text specdec_bench puts at the start of every turn whose data must be fetched from its source.
@@ -45,18 +45,6 @@ def _parquet_records(path: Path) -> list[dict]:
         return pq.read_table(path).to_pylist()
     except Exception as e:  # pyarrow raises its own error types for a damaged file
         raise DFlashError(f"cannot read {path} as parquet ({e}); {PREPARE}.") from None
-
-
-def read_jsonl(path: str | Path) -> list[tuple[int, object]]:
-    """(line number, record) of each non-blank line of a JSONL file; a line that is not JSON is refused by number."""
-    out = []
-    for k, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
-        if line.strip():
-            try:
-                out.append((k + 1, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise DFlashError(f"{path} line {k + 1} is not JSON ({e}); one object per line.") from None
-    return out
 
 
 def _item(rec: dict, where: str) -> SpeedBenchItem:
