@@ -53,9 +53,8 @@ class TrainConfig:
     # of a converted v1 drafter at a fraction of a full step's cost on a CPU); "dflash2" (the selector and the
     # convolutions).
     train_only: str = "all"
-    # DFlash2's candidate selector learns at lr x this: converted from a trained v1 drafter, it starts at the unary
-    # scores while the layers are already trained, so a fine-tune at the layers' small lr would barely move it. (Not
-    # the convolutions: their dynamic kernel is a projection from zero, and a large Adam lr blows it up in a few steps.)
+    # DFlash2's selector learns at lr x this: from a trained v1 drafter it starts at the unary scores, and the layers'
+    # small lr barely moves it. (Not the convolutions: their zero-started dynamic kernel blows up at a large Adam lr.)
     selector_lr_scale: float = 1.0
     # Reduced draft vocabulary: the most frequent target tokens of the training responses (None = full).
     # The loss and the drafting run over these rows of the LM head only; verification stays exact.
@@ -324,8 +323,10 @@ def _prepare(cfg: TrainConfig, target, tokenizer, device):
 
 
 def _param_groups(drafter: DFlashDrafter, cfg: TrainConfig) -> list[dict]:
-    """The trainable parameters in two groups: DFlash2's selector (lr x selector_lr_scale) and the rest (an empty group
-    is left out; the groups and their order only depend on the recipe, so a checkpoint's optimizer state reloads)."""
+    """The trainable parameters: one group at lr, as before the scale existed (so checkpoints written then resume);
+    with selector_lr_scale != 1, DFlash2's selector in a second group at lr x scale (an empty group is left out)."""
+    if cfg.selector_lr_scale == 1.0:
+        return [{"params": [p for p in drafter.parameters() if p.requires_grad], "lr_scale": 1.0}]
     new, old = [], []
     for name, p in drafter.named_parameters():
         if p.requires_grad:
