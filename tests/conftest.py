@@ -27,6 +27,22 @@ def pytest_sessionstart(session):
         kernels.load()
 
 
+@pytest.fixture
+def dot_product_isa():
+    """rowlinear on its AVX-512 BF16 dot products (an AMX CPU kept off its tiles) for one test, or a skip where the CPU
+    has none; "auto" again afterwards."""
+    from dflashkit import kernels
+
+    if not kernels.available():
+        pytest.skip(f"our kernels are unavailable here: {kernels.why_unavailable()}")
+    got = kernels.set_isa("avx512bf16")
+    if got == "avx512bf16":
+        yield got
+    kernels.set_isa("auto")
+    if got != "avx512bf16":
+        pytest.skip("this CPU has no AVX512-BF16: 4-bit codes take the 8-lane fp32 path")
+
+
 def tiny_config(arch: str):
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -75,17 +75,10 @@ def test_rows_are_bit_identical_whatever_the_row_count(kind, n_out, k, isa):
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_4bit_codes_on_bf16_dot_products_are_the_bf16_layer_of_their_rounded_weights(kind, request):
+def test_4bit_codes_on_bf16_dot_products_are_the_bf16_layer_of_their_rounded_weights(kind, dot_product_isa):
     """On AVX512-BF16 CPUs rowlinear decodes 4/8-bit codes to bf16 once per tile and runs the bf16 kernel's dot
-    products: the output is, to the bit, the bf16 layer of those rounded weights, at every row count."""
-    from dflashkit.kernels import isa
-
-    if isa() not in ("avx512bf16", "amx"):
-        pytest.skip("this CPU has no AVX512-BF16: 4-bit codes take the 8-lane fp32 path")
-    # On AMX CPUs bf16 weights take the tile instructions (other bits) while codes stay on the dot products: compare
-    # on the dot-product path, where both run.
-    set_isa("avx512bf16")
-    request.addfinalizer(lambda: set_isa("auto"))
+    products: the output is, to the bit, the bf16 layer of those rounded weights, at every row count. (On AMX CPUs bf16
+    weights take the tile instructions, other bits, while codes stay on the dot products: compared there.)"""
     torch.manual_seed(5)
     lin = _ggml(kind, torch.randn(53, 608))[0]
     twin = RowLinear.from_bf16(lin.as_bf16())

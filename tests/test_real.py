@@ -285,18 +285,13 @@ def test_cli_generate_int4_target_compares_with_its_own_ar(quant):
     assert re.search(line, out.stdout), out.stdout
 
 
-def test_the_default_target_reads_its_weights_as_gguf_codes_with_the_same_bits(monkeypatch, request):
+def test_the_default_target_reads_its_weights_as_gguf_codes_with_the_same_bits(monkeypatch, dot_product_isa):
     """On an AVX512-BF16 CPU the bf16 default target reads its weights as the GGUF's 4-bit codes (rowlinear decodes
     them to exactly the loaded bf16 values): prefill and verify logits and the drafter's taps equal, to the bit, those
     of the same target on its bf16 weights (on an AMX CPU: on the AVX-512 dot products, where both run; there bf16
     weights otherwise take the tile instructions, other bits)."""
-    from dflashkit.kernels import available, set_isa
     from dflashkit.loader import load_target
 
-    if not available() or set_isa("avx512bf16") != "avx512bf16":
-        set_isa("auto") if available() else None
-        pytest.skip("weights are read as codes on AVX512-BF16 CPUs only (elsewhere the codes decode to other bits)")
-    request.addfinalizer(lambda: set_isa("auto"))
     codes, tok = load_target(None, dtype="bfloat16")
     monkeypatch.setenv("DFLASHKIT_BF16_WEIGHTS", "1")
     plain, _ = load_target(None, dtype="bfloat16")
