@@ -52,6 +52,12 @@ def test_second_turn_prompts_follow_the_first_exchange(tmp_path):
     assert [m["role"] for m in by_id["a/t2"]["messages"]] == ["user", "assistant", "user"]
     assert by_id["a/t2"]["messages"][2]["content"] == "tell me more" and by_id["a/t2"]["split"] == by_id["a"]["split"]
     assert {r["id"] for r in build_prompts(0.5, str(f))[0]} == {"a", "b", "c"}  # off by default
+    # the CLI door: `dflashkit data prompts --source F --second-turns`
+    from dflashkit.cli import main
+
+    assert main(["data", "prompts", "--out", str(tmp_path / "p"), "--source", str(f), "--second-turns"]) == 0
+    written = [json.loads(x) for x in (tmp_path / "p" / "prompts.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in written] == [r["id"] for r in records] and written[1]["messages"] == by_id["a/t2"]["messages"]
 
 
 def test_prompt_file_and_speed_bench_dir(tmp_path):
