@@ -1,5 +1,6 @@
 """The real default target: SmolLM2-135M-Instruct from the bundled GGUF (converted once to a cache)."""
 
+import hashlib
 import json
 import os
 import re
@@ -9,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from dflashkit import DecodeConfig, DFlashEngine
 from dflashkit.lookup import LookupParams
-from dflashkit.loader import (BUNDLED_DRAFTER, convert_gguf, default_gguf, encode_chat, load_default_drafter, load_target,
-                              resolve_target_dir)
+from dflashkit.loader import (BUNDLED_DRAFTER, probe_logits, convert_gguf, default_gguf, encode_chat,
+                              load_default_drafter, load_target, resolve_target_dir)
 
 pytestmark = pytest.mark.real
 
@@ -32,11 +34,23 @@ def real():
 def test_conversion_is_reproducible_and_verified(tmp_path):
     cached = resolve_target_dir(None)
     manifest = json.loads((cached / "dflashkit-conversion.json").read_text())
-    again = convert_gguf(default_gguf(), tmp_path / "again")  # raises unless its logits equal the GGUF model's
-    # the same digests; `source` is where the cached copy was made (any virtualenv sharing the cache), not compared
-    strip = (lambda m: {k: v for k, v in m.items() if k != "source"})
-    assert strip(json.loads((again / "dflashkit-conversion.json").read_text())) == strip(manifest)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # another thread count than the check below: the recorded digest must not depend on it
+    try:
+        again = convert_gguf(default_gguf(), tmp_path / "again")  # raises unless its logits equal the GGUF model's
+    finally:
+        torch.set_num_threads(threads)
+    made = json.loads((again / "dflashkit-conversion.json").read_text())
+    assert made["source_sha256"] == manifest["source_sha256"]
     assert (again / "model.safetensors").read_bytes() == (cached / "model.safetensors").read_bytes()
+    # the recorded probe digest is the cached copy's logits too, whatever thread count this worker runs torch on (the
+    # probe pins one thread); computed here, not read from the cached manifest, which an older version may have made
+    torch.set_num_threads(1)
+    try:
+        cached_probe = probe_logits(AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32))
+    finally:
+        torch.set_num_threads(threads)
+    assert made["probe_logits_sha256"] == hashlib.sha256(cached_probe.numpy().tobytes()).hexdigest()
 
 
 def test_the_same_gguf_elsewhere_finds_its_conversion_by_content(tmp_path, monkeypatch):

@@ -63,10 +63,18 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _probe_logits(model) -> torch.Tensor:
+def probe_logits(model) -> torch.Tensor:
+    """The model's fp32 logits on a fixed 8-token input, on one thread. Why one: torch's fp32 GEMM splits its sums
+    by thread count, so the same weights give other last bits at 1 and 2 threads (a test worker and a CLI run
+    would record different digests for the same conversion)."""
     ids = torch.tensor([[1, 2, 3, 100, 1000, 2000, 5, 7]]) % model.config.vocab_size
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+    finally:
+        torch.set_num_threads(threads)
 
 
 MANIFEST = "dflashkit-conversion.json"  # written last into a converted GGUF target's directory: its source and digests
@@ -100,7 +108,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     log.info("converting %s to a safetensors cache at %s (one time, ~30 s)", gguf.name, out)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    ref = _probe_logits(model)
+    ref = probe_logits(model)
     # transformers refuses to save a GGUF-quantized model; the weights are already dequantized to fp32.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -111,7 +119,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         again = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
-        if not torch.equal(_probe_logits(again), ref):
+        if not torch.equal(probe_logits(again), ref):
             raise DFlashError(f"the converted copy of {gguf} does not reproduce its logits; conversion aborted.")
         manifest = {"source": str(gguf), "source_sha256": _file_digest(gguf),
                     "probe_logits_sha256": hashlib.sha256(ref.numpy().tobytes()).hexdigest()}
