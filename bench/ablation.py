@@ -24,7 +24,7 @@ from dflashkit.bench import HUMANEVAL_WRAPPER
 from dflashkit.checkpoint import load_drafter
 from dflashkit.data import humaneval_prompts, load_shards, mtbench_questions
 from dflashkit.loader import BUNDLED_DRAFTER, encode_chat, load_target
-from dflashkit.train import frequent_tokens, with_draft_vocab
+from dflashkit.draft_vocab import frequent_tokens, with_draft_vocab
 
 
 def main() -> int:

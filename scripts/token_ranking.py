@@ -15,7 +15,7 @@ import numpy as np
 
 from dflashkit.checkpoint import read_config, save_token_ranking
 from dflashkit.data import load_shards
-from dflashkit.train import token_counts
+from dflashkit.draft_vocab import token_counts
 
 
 def main() -> None:

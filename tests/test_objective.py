@@ -5,8 +5,8 @@ import torch
 
 from conftest import make_drafter, make_target
 from dflashkit.cache import PositionCache
-from dflashkit.objective import (block_mask, build_blocks, decay_weights, decode_path_tau, training_forward,
-                                 sample_anchors, simulated_tau)
+from dflashkit.objective import (block_mask, build_blocks, decay_weights, decode_path_tau, dflash_loss, sample_anchors,
+                                 simulated_tau, teacher_rows, training_forward)
 
 
 def reference_mask(anchors, valid, S, Bq):
@@ -93,6 +93,39 @@ def test_training_forward_equals_inference_forward(window):
         mask = torch.ones(1, 1, Bq, a + Bq, dtype=torch.bool)
         inf_h = dr(t.embed(block), a + torch.arange(Bq)[None], kv, mask)
         torch.testing.assert_close(train_h[:, n * Bq:(n + 1) * Bq], inf_h, rtol=1e-10, atol=1e-10)
+
+
+def test_kl_loss_is_the_weighted_kl_to_the_targets_next_token_distribution():
+    """loss "kl": at every supervised slot (position p), KL(target || drafter) with the target's distribution the full
+    model gives for token p (its logits at p - 1), decay-weighted like the CE; zero when the drafter's rows are the
+    target's own."""
+    t = make_target("llama")
+    dr = make_drafter(t, block_size=4)
+    t.set_taps(dr.config.target_layer_ids)
+    torch.manual_seed(1)
+    S, Bq = 20, 4
+    ids = torch.randint(4, 90, (2, S))
+    lm = torch.arange(S)[None].expand(2, S) >= 5
+    anchors, valid = sample_anchors(lm, 4, torch.Generator().manual_seed(2))
+    feats = t.features(ids)
+    blocks = build_blocks(ids, lm, anchors, valid, Bq, dr.config.mask_token_id, 7.0)
+    hidden = training_forward(dr, t.embed, feats.taps, blocks)
+    teacher = teacher_rows(feats.final, blocks)
+    loss, _ = dflash_loss(hidden, blocks, t.lm_head_weight, Bq, teacher=teacher)
+    full = t.model(input_ids=ids).logits.double()  # [2, S, V] the whole model's next-token logits
+    num = den = 0.0
+    for b in range(2):
+        for q in range(blocks.ids.shape[1]):
+            w = float(blocks.weights[b, q])
+            if w == 0:
+                continue
+            p_log = full[b, blocks.positions[b, q] - 1].detach().log_softmax(-1)
+            q_log = (hidden[b, q].detach().double() @ t.lm_head_weight.double().T).log_softmax(-1)
+            num += w * float((p_log.exp() * (p_log - q_log)).sum())
+            den += w
+    assert den > 0 and abs(float(loss) - num / den) <= 1e-6 * max(1.0, num / den)
+    same, _ = dflash_loss(teacher, blocks, t.lm_head_weight, Bq, teacher=teacher)
+    assert abs(float(same)) <= 1e-6
 
 
 def test_decode_path_tau_walks_the_anchors_decoding_visits():

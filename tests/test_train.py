@@ -109,3 +109,18 @@ def test_ddp_two_processes_keep_identical_weights(tmp_path):
     assert sums[0]["checksum"] == sums[1]["checksum"]
     # and the two ranks really trained on different data (else DDP would be trivially in sync)
     assert sums[0]["first_batch"] != sums[1]["first_batch"]
+
+
+def test_the_kl_objective_trains_and_an_unknown_loss_names_the_choices(tmp_path):
+    """loss "kl" runs end to end (the KL itself is checked against a reference in test_objective) and lowers its
+    loss on this data; a misspelt loss fails before any work, naming the valid ones."""
+    from dflashkit.errors import DFlashError
+
+    target, data = tiny_setup(tmp_path)
+    train(TrainConfig.from_file(recipe(tmp_path, target, data, "kl", loss="kl", steps=30, eval_every=30,
+                                       lr=3e-3)))
+    got = losses(tmp_path / "kl")
+    assert sorted(got) == list(range(1, 31)) and all(np.isfinite(v) and v >= 0 for v in got.values())
+    assert np.mean([got[s] for s in range(26, 31)]) < 0.8 * np.mean([got[s] for s in range(1, 6)])
+    with pytest.raises(DFlashError, match="loss must be one of ce, kl"):
+        train(TrainConfig.from_file(recipe(tmp_path, target, data, "bad", loss="kl_div")))

@@ -109,17 +109,28 @@ def training_forward(drafter: DFlashDrafter, embed, taps: torch.Tensor, blocks: 
                    block=blocks.block_size)
 
 
+def teacher_rows(final: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """final: [B, S, H] the target's final normed hidden states -> [B, N*Bq, H], each block slot's teacher row.
+    Why position - 1: slot j holds the token AT anchor + j, whose distribution the target computes one position
+    earlier (the label shift; slot 0's row is unused: it weighs zero)."""
+    idx = (blocks.positions - 1).clamp(0, final.shape[1] - 1)
+    return torch.gather(final, 1, idx[..., None].expand(-1, -1, final.shape[-1]))
+
+
 def dflash_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor, block_size: int,
                 chunk: int = 8192, softcap: float | None = None, d2t_head: torch.Tensor | None = None,
-                t2d: torch.Tensor | None = None):
+                t2d: torch.Tensor | None = None, teacher: torch.Tensor | None = None):
     """hidden: [B, N*Bq, H]; lm_head: [V, H] frozen. Weighted CE over supervised slots only (logits are
     computed just for those rows, in chunks). With a reduced draft vocabulary pass d2t_head [Vd, H] (rows of
     the LM head) and t2d [V] (target id -> draft id, -1 if absent): labels outside it weigh zero.
+    With teacher [B, N*Bq, H] (`teacher_rows`): the weighted KL(target || drafter) over the same vocabulary rows
+    instead of the CE to the data's token (the target's whole distribution, not its argmax).
 
     Returns (loss, stats) where stats has per-slot correct/total counts [Bq] and the loss sums."""
     w = blocks.weights
     sel = w > 0
     h = hidden[sel]  # [M, H]
+    t = teacher[sel] if teacher is not None else None  # [M, H]
     labels = blocks.labels[sel]
     weights = w[sel]
     slot = torch.nonzero(sel)[:, 1] % block_size
@@ -134,7 +145,13 @@ def dflash_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor, blo
         logits = (h[lo:lo + chunk] @ head.T).float()
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
-        ce = F.cross_entropy(logits, labels[lo:lo + chunk], reduction="none")
+        if t is None:
+            ce = F.cross_entropy(logits, labels[lo:lo + chunk], reduction="none")
+        else:
+            tl = (t[lo:lo + chunk] @ head.T).float()
+            if softcap:
+                tl = torch.tanh(tl / softcap) * softcap
+            ce = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(tl, -1), reduction="none", log_target=True).sum(-1)
         total = total + (ce * weights[lo:lo + chunk]).sum()
         hit = (logits.argmax(-1) == labels[lo:lo + chunk]) & (weights[lo:lo + chunk] > 0)
         correct.index_add_(0, slot[lo:lo + chunk], hit.float())

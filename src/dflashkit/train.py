@@ -25,10 +25,11 @@ import torch
 from .checkpoint import atomic_write, load_drafter, save_drafter
 from .data import TokenShard, load_shards
 from .config import ARCHS
+from .draft_vocab import frequent_tokens, with_draft_vocab
 from .drafter import DFlashDrafter, dflash2_from
 from .errors import DFlashError
 from .objective import (build_blocks, decode_path_tau, dflash_loss, sample_anchors, selector_loss, simulated_tau,
-                        training_forward)
+                        teacher_rows, training_forward)
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,9 @@ class TrainConfig:
     # Reduced draft vocabulary: the most frequent target tokens of the training responses (None = full).
     # The loss and the drafting run over these rows of the LM head only; verification stays exact.
     draft_vocab_size: int | None = None
-    # objective
+    # objective: "ce", cross-entropy to the data's tokens (the target's own greedy answers); "kl", KL(target ||
+    # drafter) to the target's whole distribution at each slot (speculators' default for DFlash2)
+    loss: str = "ce"
     num_anchors: int = 64
     gamma: float = 7.0
     max_len: int = 512
@@ -103,6 +106,7 @@ class TrainConfig:
 
 
 TRAIN_ONLY = ("all", "selector", "dflash2")
+LOSSES = ("ce", "kl")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -148,13 +152,15 @@ def unwrap(model) -> DFlashDrafter:
 
 
 def features_and_blocks(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: torch.Generator):
-    """Target taps [B, S, k*H] (in the drafter's dtype unless autocast mixes them) and random-anchor blocks."""
+    """Target taps [B, S, k*H] (in the drafter's dtype unless autocast mixes them), random-anchor blocks, and with
+    loss "kl" each slot's teacher row [B, N*Bq, H] (else None)."""
     raw = unwrap(drafter)
-    taps = target.taps(ids)
-    if not cfg.bf16:
-        taps = taps.to(next(raw.parameters()).dtype)
+    feats = target.features(ids)
+    taps = feats.taps if cfg.bf16 else feats.taps.to(next(raw.parameters()).dtype)
     anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, gen)
-    return taps, build_blocks(ids, loss_mask, anchors, valid, cfg.block_size, raw.config.mask_token_id, cfg.gamma)
+    blocks = build_blocks(ids, loss_mask, anchors, valid, cfg.block_size, raw.config.mask_token_id, cfg.gamma)
+    teacher = teacher_rows(feats.final.to(taps.dtype), blocks) if cfg.loss == "kl" else None
+    return taps, blocks, teacher
 
 
 def train_step_loss(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: torch.Generator, autocast, vocab=None):
@@ -165,48 +171,23 @@ def train_step_loss(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: torc
         # a graph, and one logits pass gives both the selector's loss and the per-slot stats (the frozen unary loss
         # is not computed: it cannot change). About half a full step's time on a CPU.
         with torch.no_grad():
-            taps, blocks = features_and_blocks(drafter, target, ids, loss_mask, cfg, gen)
+            taps, blocks, _ = features_and_blocks(drafter, target, ids, loss_mask, cfg, gen)
             with autocast():
                 hidden = training_forward(drafter, target.embed, taps, blocks)
         with autocast():
             loss, stats = selector_loss(hidden, blocks, target.lm_head_weight, selector, softcap=target.softcap,
                                         unary_stats=True)
         return loss, {**stats, "selector_loss": loss.detach()}
-    taps, blocks = features_and_blocks(drafter, target, ids, loss_mask, cfg, gen)
+    taps, blocks, teacher = features_and_blocks(drafter, target, ids, loss_mask, cfg, gen)
     head, t2d = vocab if vocab is not None else (None, None)
     with autocast():
         hidden = training_forward(drafter, target.embed, taps, blocks)
         loss, stats = dflash_loss(hidden, blocks, target.lm_head_weight, cfg.block_size, softcap=target.softcap,
-                                  d2t_head=head, t2d=t2d)
+                                  d2t_head=head, t2d=t2d, teacher=teacher)
         if selector is not None:  # DFlash2: unary + alpha * selector (over the full vocabulary's top-k)
             extra, more = selector_loss(hidden, blocks, target.lm_head_weight, selector, softcap=target.softcap)
             loss, stats = loss + cfg.selector_alpha * extra, {**stats, **more, "selector_loss": extra.detach()}
         return loss, stats
-
-
-def token_counts(shards: list[TokenShard], vocab_size: int) -> np.ndarray:
-    """[vocab_size] how often each target id occurs among response tokens (what the drafter learns to propose)."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for s in shards:
-        for i in range(len(s)):
-            toks, plen = s.example(i)
-            counts += np.bincount(toks[plen:], minlength=vocab_size)
-    return counts
-
-
-def frequent_tokens(shards: list[TokenShard], k: int, vocab_size: int) -> torch.Tensor:
-    """The k most frequent target ids among response tokens, ascending id order."""
-    top = np.argsort(-token_counts(shards, vocab_size), kind="stable")[:k]
-    return torch.from_numpy(np.sort(top))
-
-
-def with_draft_vocab(drafter: DFlashDrafter, ids: torch.Tensor) -> DFlashDrafter:
-    """The same weights with a reduced draft vocabulary `ids` (target ids) attached."""
-    new = DFlashDrafter(drafter.config.replace(draft_vocab_size=int(ids.numel())))
-    state = {k: v for k, v in drafter.state_dict().items() if k != "d2t"}
-    new.load_state_dict(state, strict=False)
-    new.d2t.copy_(ids - torch.arange(ids.numel()))
-    return new
 
 
 @torch.no_grad()
@@ -304,6 +285,8 @@ def _prepare(cfg: TrainConfig, target, tokenizer, device):
     if cfg.draft_vocab_size and drafter.config.draft_vocab_size != cfg.draft_vocab_size:
         drafter = with_draft_vocab(drafter, frequent_tokens(train_shards, cfg.draft_vocab_size, target.vocab_size))
     drafter = drafter.to(device)
+    if cfg.loss not in LOSSES:
+        raise DFlashError(f"loss must be one of {', '.join(LOSSES)} (got {cfg.loss!r}).")
     if cfg.train_only not in TRAIN_ONLY:
         raise DFlashError(f"train_only must be one of {', '.join(TRAIN_ONLY)} (got {cfg.train_only!r}).")
     if cfg.train_only != "all":

@@ -16,6 +16,7 @@ bookkeeping (the engine's `start`), and ragged batches need no per-row cropping.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,12 @@ def architecture_of(model) -> str:
     """The model family's name as its config writes it (e.g. LlamaForCausalLM), else its class name."""
     return (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
 
+
+
+@dataclass
+class SequenceFeatures:
+    taps: torch.Tensor  # [B, S, k*H] the tapped layers' outputs, concatenated in tap order
+    final: torch.Tensor  # [B, S, H] after the final norm: position p's row gives the target's logits for token p + 1
 
 class _HFCacheView:
     """What HF attention layers call on a cache (`update`), mapped onto a `PositionCache` for one forward:
@@ -143,12 +150,17 @@ class HFTarget:
         """ids: [B, S] (right-padded is fine: attention is causal) -> tapped features [B, S, k*H], no cache.
 
         The training path: one plain causal forward over whole sequences."""
+        return self.features(ids).taps
+
+    @torch.no_grad()
+    def features(self, ids: torch.Tensor) -> "SequenceFeatures":
+        """ids: [B, S] -> the taps and the final normed hidden states of one plain causal forward."""
         if not self.tap_ids:
             raise DFlashError("no tapped layers are set; call set_taps(drafter.config.target_layer_ids) first.")
         self._capture, self._taps = True, {}
         try:
-            self.decoder(input_ids=ids, use_cache=False)
-            return torch.cat([self._taps[i] for i in self.tap_ids], dim=-1)
+            out = self.decoder(input_ids=ids, use_cache=False)
+            return SequenceFeatures(torch.cat([self._taps[i] for i in self.tap_ids], dim=-1), out.last_hidden_state)
         finally:
             self._capture, self._taps = False, {}
 
