@@ -43,8 +43,8 @@ def test_conversion_is_reproducible_and_verified(tmp_path):
     made = json.loads((again / "dflashkit-conversion.json").read_text())
     assert made["source_sha256"] == manifest["source_sha256"]
     assert (again / "model.safetensors").read_bytes() == (cached / "model.safetensors").read_bytes()
-    # the recorded probe digest is the cached copy's logits too, whatever thread count this worker runs torch on (the
-    # probe pins one thread); computed here, not read from the cached manifest, which an older version may have made
+    # the recorded digest is the cached copy's probe computed here at 1 thread (2 above): equal only because the probe
+    # pins its thread count; computed, not read from the cached manifest, which an older version may have made
     torch.set_num_threads(1)
     try:
         cached_probe = probe_logits(AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32))

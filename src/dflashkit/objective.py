@@ -117,6 +117,12 @@ def teacher_rows(final: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     return torch.gather(final, 1, idx[..., None].expand(-1, -1, final.shape[-1]))
 
 
+def head_logits(rows: torch.Tensor, head: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """rows: [M, H]; head: [V, H] -> float32 logits [M, V], soft-capped as the target caps its own (Gemma 3)."""
+    logits = (rows @ head.T).float()
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
 def dflash_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor, block_size: int,
                 chunk: int = 8192, softcap: float | None = None, d2t_head: torch.Tensor | None = None,
                 t2d: torch.Tensor | None = None, teacher: torch.Tensor | None = None):
@@ -142,17 +148,13 @@ def dflash_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor, blo
     total = h.new_zeros((), dtype=torch.float32)
     correct = torch.zeros(block_size, device=h.device)
     for lo in range(0, h.shape[0], chunk):
-        logits = (h[lo:lo + chunk] @ head.T).float()
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
+        logits = head_logits(h[lo:lo + chunk], head, softcap)
         if t is None:
-            ce = F.cross_entropy(logits, labels[lo:lo + chunk], reduction="none")
+            per_row = F.cross_entropy(logits, labels[lo:lo + chunk], reduction="none")
         else:
-            tl = (t[lo:lo + chunk] @ head.T).float()
-            if softcap:
-                tl = torch.tanh(tl / softcap) * softcap
-            ce = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(tl, -1), reduction="none", log_target=True).sum(-1)
-        total = total + (ce * weights[lo:lo + chunk]).sum()
+            teacher_log = F.log_softmax(head_logits(t[lo:lo + chunk], head, softcap), -1)
+            per_row = F.kl_div(F.log_softmax(logits, -1), teacher_log, reduction="none", log_target=True).sum(-1)
+        total = total + (per_row * weights[lo:lo + chunk]).sum()
         hit = (logits.argmax(-1) == labels[lo:lo + chunk]) & (weights[lo:lo + chunk] > 0)
         correct.index_add_(0, slot[lo:lo + chunk], hit.float())
     count = torch.zeros(block_size, device=h.device).index_add_(0, slot, (weights > 0).float())
@@ -204,9 +206,7 @@ def selector_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor, s
     hits = held = h.new_zeros((), dtype=torch.float32)
     for lo in range(0, h.shape[0], chunk):
         hc, lab, pc = h[lo:lo + chunk], labels[lo:lo + chunk], prev[lo:lo + chunk]
-        logits = (hc @ lm_head.T).float()
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
+        logits = head_logits(hc, lm_head, softcap)
         unary, cand = logits.topk(k, dim=-1)  # [m, k]
         if unary_stats:
             correct.index_add_(0, slot[lo:lo + chunk], (cand[:, 0] == lab).float())

@@ -35,11 +35,11 @@ def architecture_of(model) -> str:
     return (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
 
 
-
 @dataclass
 class SequenceFeatures:
     taps: torch.Tensor  # [B, S, k*H] the tapped layers' outputs, concatenated in tap order
     final: torch.Tensor  # [B, S, H] after the final norm: position p's row gives the target's logits for token p + 1
+
 
 class _HFCacheView:
     """What HF attention layers call on a cache (`update`), mapped onto a `PositionCache` for one forward:
