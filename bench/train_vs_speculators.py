@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,16 +44,23 @@ class Run:
     name: str
     kind: str  # "ours" | "speculators"
     arch: str  # "dflash" | "dflash2"
-    loss: str  # ours: "ce" | "kl"; speculators: its default for the type
+    loss: str  # what it optimises, for the table (ours: the recipe's loss, weights, optimizer)
     label: str
+    recipe: dict = field(default_factory=dict)  # ours: TrainConfig fields over the shared ones
 
 
-# in the order they run, two at a time: each pair holds one of ours and one of speculators', so that whatever else
-# the host does during a pair weighs on both sides alike
-RUNS = [Run("ours-ce", "ours", "dflash", "ce", "dflashkit CE (default)"),
+# in the order they run, two at a time: the first four pair one of ours with one of speculators', so that whatever
+# else the host does during a pair weighs on both sides alike; the last four (`--only`) take speculators' DFlash
+# recipe apart inside ours: D-PACE slot weights and Muon, each alone and together, beside our default again
+RUNS = [Run("ours-ce", "ours", "dflash", "ce", "dflashkit CE (default)", {"loss": "ce"}),
         Run("speculators-dflash", "speculators", "dflash", "ce + D-PACE", "speculators DFlash"),
-        Run("ours-kl", "ours", "dflash", "kl", "dflashkit KL"),
-        Run("speculators-dflash2", "speculators", "dflash2", "KL + selector", "speculators DFlash2")]
+        Run("ours-kl", "ours", "dflash", "kl", "dflashkit KL", {"loss": "kl"}),
+        Run("speculators-dflash2", "speculators", "dflash2", "KL + selector", "speculators DFlash2"),
+        Run("ours-dpace", "ours", "dflash", "ce + D-PACE", "dflashkit CE, D-PACE weights",
+            {"position_weight": "dpace"}),
+        Run("ours-muon", "ours", "dflash", "ce, Muon", "dflashkit CE, Muon", {"optimizer": "muon"}),
+        Run("ours-muon-dpace", "ours", "dflash", "ce + D-PACE, Muon", "dflashkit CE, D-PACE weights, Muon",
+            {"position_weight": "dpace", "optimizer": "muon"})]
 
 
 def write_batches(path: Path, steps: int) -> None:
@@ -78,8 +85,8 @@ def command(run: Run, d: Path, args, steps: int, seconds: float, ctx: dict) -> l
     if run.kind == "ours":
         recipe = dict(out_dir=str(d), data_dir=str(DATA), num_layers=LAYERS, block_size=BLOCK, steps=steps,
                       batch_size=BATCH, num_anchors=ANCHORS, max_len=MAX_LEN, bf16=False, target_dtype="float32",
-                      loss=run.loss, mask_token_id=ctx["mask"], target_layer_ids=ctx["taps"], eval_every=10 ** 9,
-                      eval_batches=0, save_every=50, log_every=1, time_limit_s=seconds, seed=SEED, device="cpu")
+                      mask_token_id=ctx["mask"], target_layer_ids=ctx["taps"], eval_every=10 ** 9,
+                      eval_batches=0, save_every=50, log_every=1, time_limit_s=seconds, seed=SEED, device="cpu", **run.recipe)
         (d / "recipe-in.json").write_text(json.dumps(recipe, indent=1) + "\n")
         return [sys.executable, "-m", "dflashkit.cli", "train", "--config", str(d / "recipe-in.json")]
     # speculators counts hidden_states ids (0 = embeddings): our decoder layer i is its id i + 1
@@ -145,17 +152,24 @@ def train_all(runs: list[Run], work: Path, args, ctx: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--speculators-python", required=True, help="python of a virtualenv with speculators 0.9.0")
+    ap.add_argument("--speculators-python", help="python of a virtualenv with speculators 0.9.0 (for its runs)")
     ap.add_argument("--minutes", type=float, default=30.0, help="training budget of each run")
     ap.add_argument("--work", default="runs/train-vs-speculators", help="run directories (resumable)")
     ap.add_argument("--out", default="bench/results/train-vs-speculators", help="results folder")
     ap.add_argument("--prompts", type=int, default=10, help="held-out prompts per dataset when decoding")
     ap.add_argument("--max-new-tokens", type=int, default=96, help="tokens decoded per prompt")
-    ap.add_argument("--only", default="", help="comma-separated run names (default: all four)")
+    ap.add_argument("--only", default="", help="comma-separated run names, in the order given (default: the "
+                    "first four: ours against speculators')")
     args = ap.parse_args()
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
-    runs = [r for r in RUNS if not args.only or r.name in args.only.split(",")]
+    by_name = {r.name: r for r in RUNS}
+    unknown = [n for n in args.only.split(",") if n and n not in by_name]
+    if unknown:
+        raise SystemExit(f"unknown runs {unknown}; known: {', '.join(by_name)}")
+    runs = [by_name[n] for n in args.only.split(",")] if args.only else RUNS[:4]
+    if any(r.kind == "speculators" for r in runs) and not args.speculators_python:
+        raise SystemExit("speculators' runs need --speculators-python (its virtualenv: docs/training.md)")
     target_dir = resolve_target_dir(None)
     ctx = {"target_dir": target_dir, "mask": choose_mask_token_id(load_tokenizer(target_dir)),
            "taps": default_target_layer_ids(30, LAYERS), "batches": work / "batches.npz",
@@ -205,7 +219,7 @@ def report(runs: list[Run], work: Path, out: Path, args, ctx: dict) -> None:
           f"thread, the same batches ({BATCH} x <= {MAX_LEN} tokens, {BATCH * ANCHORS} anchors a step). Decoded: "
           f"{args.prompts} prompts per dataset never trained on, {args.max_new_tokens} tokens, the plain chain, "
           "greedy, bf16: tau (first-slot acceptance).", "",
-          "| trainer | loss | steps | " + " | ".join(datasets) + " | mean tau | differing |", "|---" * (5 + len(datasets)) + "|"]
+          "| trainer | objective | steps | " + " | ".join(datasets) + " | mean tau | differing |", "|---" * (5 + len(datasets)) + "|"]
     for r in rows:
         taus = [r["decoded"][ds]["tau"] for ds in datasets]
         cells = [f"{r['decoded'][ds]['tau']:.3f} ({r['decoded'][ds]['first_slot']:.2f})" for ds in datasets]

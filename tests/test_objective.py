@@ -1,12 +1,14 @@
 """The training objective: anchors, labels, the fast block mask vs a naive reference, train/serve parity."""
 
+import math
+
 import pytest
 import torch
 
 from conftest import make_drafter, make_target
 from dflashkit.cache import PositionCache
-from dflashkit.objective import (block_mask, build_blocks, decay_weights, decode_path_tau, dflash_loss, sample_anchors,
-                                 simulated_tau, teacher_rows, training_forward)
+from dflashkit.objective import (block_mask, build_blocks, decay_weights, decode_path_tau, dflash_loss, dpace_weights,
+                                 sample_anchors, simulated_tau, teacher_rows, training_forward)
 
 
 def reference_mask(anchors, valid, S, Bq):
@@ -139,3 +141,39 @@ def test_decode_path_tau_walks_the_anchors_decoding_visits():
     # A run past the end commits only what is left; an empty response needs no pass.
     assert decode_path_tau([5, 1, 1]) == (3, 1)
     assert decode_path_tau([]) == (0, 0)
+
+
+def test_dpace_weights_are_the_expected_accepted_length_each_slot_still_holds():
+    """dpace_weights against a naive double loop (speculators' definition), and in closed form at alpha 1 (every
+    confidence 1: slot i weighs the number of supervised slots from i on); the D-PACE loss is the weighted mean CE
+    with those weights, taken from the drafter's own probability of each label."""
+    torch.manual_seed(3)
+    conf = torch.rand(5, 6)
+    held = torch.rand(5, 6) > 0.25
+    held[:, 0] = False  # the anchor slot
+    alpha = 0.3
+    got = dpace_weights(conf, held, alpha)
+    for m in range(5):
+        smooth = [(1 - alpha) * float(conf[m, k]) + alpha if held[m, k] else 1.0 for k in range(6)]
+        prefix = [math.prod(smooth[:j + 1]) for j in range(6)]
+        for i in range(6):
+            want = sum(prefix[j] for j in range(i, 6) if held[m, j]) if held[m, i] else 0.0
+            assert abs(float(got[m, i]) - want) <= 1e-6, (m, i)
+    ones = dpace_weights(conf, held, 1.0)
+    assert torch.equal(ones, held.float().flip(-1).cumsum(-1).flip(-1) * held)
+    t = make_target("llama")
+    dr = make_drafter(t, block_size=4)
+    t.set_taps(dr.config.target_layer_ids)
+    S, Bq = 20, 4
+    ids = torch.randint(4, 90, (2, S))
+    lm = torch.arange(S)[None].expand(2, S) >= 5
+    anchors, valid = sample_anchors(lm, 4, torch.Generator().manual_seed(2))
+    blocks = build_blocks(ids, lm, anchors, valid, Bq, dr.config.mask_token_id, 7.0)
+    hidden = training_forward(dr, t.embed, t.taps(ids), blocks)
+    loss, _ = dflash_loss(hidden, blocks, t.lm_head_weight, Bq, dpace_alpha=alpha)
+    logp = (hidden.detach().double() @ t.lm_head_weight.double().T).log_softmax(-1)  # [2, N*Bq, V]
+    nll = -logp.gather(-1, blocks.labels[..., None])[..., 0]
+    sup = blocks.weights > 0
+    w = dpace_weights((-nll).exp().view(-1, Bq), sup.view(-1, Bq), alpha).view(sup.shape).double()
+    want = float((w * nll).sum() / w.sum())
+    assert w.sum() > 0 and abs(float(loss) - want) <= 1e-5 * max(1.0, want)

@@ -124,3 +124,33 @@ def test_the_kl_objective_trains_and_an_unknown_loss_names_the_choices(tmp_path)
     assert np.mean([got[s] for s in range(26, 31)]) < 0.8 * np.mean([got[s] for s in range(1, 6)])
     with pytest.raises(DFlashError, match="loss must be one of ce, kl"):
         train(TrainConfig.from_file(recipe(tmp_path, target, data, "bad", loss="kl_div")))
+
+
+def test_muon_and_dpace_train_and_resume_exactly(tmp_path):
+    """speculators' recipe as options: Muon on the weight matrices (AdamW on the rest) with D-PACE slot weights lowers
+    its loss; a run stopped after one step and resumed replays the uninterrupted one (both optimizers' states come
+    back from checkpoint.pt); a checkpoint of one optimizer refuses to resume with the other, naming the remedy."""
+    from dflashkit.errors import DFlashError
+
+    target, data = tiny_setup(tmp_path)
+    kw = dict(optimizer="muon", position_weight="dpace", loss="kl", lr=1e-2)  # KL: this random data has no CE to learn
+    train(TrainConfig.from_file(recipe(tmp_path, target, data, "full", steps=30, eval_every=30, **kw)))
+    full = losses(tmp_path / "full")
+    assert sorted(full) == list(range(1, 31)) and all(np.isfinite(v) and v >= 0 for v in full.values())
+    assert np.mean([full[s] for s in range(26, 31)]) < 0.8 * np.mean([full[s] for s in range(1, 6)])
+    ckpt = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)
+    assert len(ckpt["optimizer"]["parts"]) == 2  # Muon and AdamW
+    # stopped after its first step (time limit 0), then resumed by the same recipe without the limit
+    train(TrainConfig.from_file(recipe(tmp_path, target, data, "cut", steps=30, eval_every=30, time_limit_s=0, **kw)))
+    assert sorted(losses(tmp_path / "cut")) == [1]
+    train(TrainConfig.from_file(recipe(tmp_path, target, data, "cut", steps=30, eval_every=30, **kw)))
+    cut = losses(tmp_path / "cut")
+    assert sorted(cut) == sorted(full)
+    for step in full:
+        assert cut[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), (step, cut[step], full[step])
+    with pytest.raises(DFlashError, match="another optimizer"):
+        train(TrainConfig.from_file(recipe(tmp_path, target, data, "full", steps=31, lr=1e-2)))
+    with pytest.raises(DFlashError, match="optimizer must be one of adamw, muon"):
+        train(TrainConfig.from_file(recipe(tmp_path, target, data, "bad", optimizer="sgd")))
+    with pytest.raises(DFlashError, match="position_weight must be one of exp, dpace"):
+        train(TrainConfig.from_file(recipe(tmp_path, target, data, "bad2", position_weight="linear")))

@@ -7,7 +7,8 @@ For a sequence of S tokens with target features for all S positions and anchors 
 - block n sees context positions t < a_n (strictly: the anchor's own feature is what inference lacks)
   plus all B slots of its own block (bidirectional); never another block;
 - padding blocks (fewer candidates than N) see nothing and weigh zero;
-- loss = sum_j w_j CE_j / sum_j w_j with w_j = exp(-(j-1)/gamma).
+- loss = sum_j w_j CE_j / sum_j w_j with w_j = exp(-(j-1)/gamma), or D-PACE's weights (`dpace_weights`):
+  each slot weighed by the expected accepted length it still contributes to.
 The drafter forward is the very one inference uses (`DFlashDrafter.forward`), only the mask differs.
 """
 
@@ -123,14 +124,28 @@ def head_logits(rows: torch.Tensor, head: torch.Tensor, softcap: float | None) -
     return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
+def dpace_weights(confidence: torch.Tensor, supervised: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights (as speculators' `dpace_loss_decay`). confidence, supervised: [M, Bq] per block: the
+    drafter's probability of the slot's label, and whether the slot is supervised. With c_k = (1 - alpha) q_k + alpha
+    (1 on unsupervised slots), slot i weighs sum_{j >= i, supervised} prod_{k <= j} c_k: how much of the block's
+    expected accepted length still depends on slot i, so early slots, whose miss ends the block, weigh most.
+    Returns [M, Bq], zero where unsupervised. No gradient flows through the weights."""
+    m = supervised.float()
+    smooth = torch.where(supervised, (1 - alpha) * confidence.detach().float() + alpha, torch.ones_like(m))
+    prefix = torch.cumprod(smooth, -1)
+    return (prefix * m).flip(-1).cumsum(-1).flip(-1) * m
+
+
 def dflash_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor, block_size: int,
                 chunk: int = 8192, softcap: float | None = None, d2t_head: torch.Tensor | None = None,
-                t2d: torch.Tensor | None = None, teacher: torch.Tensor | None = None):
+                t2d: torch.Tensor | None = None, teacher: torch.Tensor | None = None, dpace_alpha: float | None = None):
     """hidden: [B, N*Bq, H]; lm_head: [V, H] frozen. Weighted CE over supervised slots only (logits are
     computed just for those rows, in chunks). With a reduced draft vocabulary pass d2t_head [Vd, H] (rows of
     the LM head) and t2d [V] (target id -> draft id, -1 if absent): labels outside it weigh zero.
     With teacher [B, N*Bq, H] (`teacher_rows`): the weighted KL(target || drafter) over the same vocabulary rows
     instead of the CE to the data's token (the target's whole distribution, not its argmax).
+    With dpace_alpha: D-PACE's weights (`dpace_weights`, from the drafter's probability of each label) replace the
+    blocks' exponential decay.
 
     Returns (loss, stats) where stats has per-slot correct/total counts [Bq] and the loss sums."""
     w = blocks.weights
@@ -145,20 +160,31 @@ def dflash_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor, blo
         labels = t2d[labels]
         weights = weights * (labels >= 0)
         labels = labels.clamp(min=0)
-    total = h.new_zeros((), dtype=torch.float32)
+    rows, confidence = [], []
     correct = torch.zeros(block_size, device=h.device)
     for lo in range(0, h.shape[0], chunk):
         logits = head_logits(h[lo:lo + chunk], head, softcap)
+        logp = F.log_softmax(logits, -1)
+        lab = labels[lo:lo + chunk]
         if t is None:
-            per_row = F.cross_entropy(logits, labels[lo:lo + chunk], reduction="none")
+            rows.append(-logp.gather(1, lab[:, None])[:, 0])
         else:
             teacher_log = F.log_softmax(head_logits(t[lo:lo + chunk], head, softcap), -1)
-            per_row = F.kl_div(F.log_softmax(logits, -1), teacher_log, reduction="none", log_target=True).sum(-1)
-        total = total + (per_row * weights[lo:lo + chunk]).sum()
-        hit = (logits.argmax(-1) == labels[lo:lo + chunk]) & (weights[lo:lo + chunk] > 0)
+            rows.append(F.kl_div(logp, teacher_log, reduction="none", log_target=True).sum(-1))
+        confidence.append(logp.detach().gather(1, lab[:, None])[:, 0].exp())
+        hit = (logits.argmax(-1) == lab) & (weights[lo:lo + chunk] > 0)
         correct.index_add_(0, slot[lo:lo + chunk], hit.float())
+    per_row = torch.cat(rows) if rows else h.new_zeros(0, dtype=torch.float32)
+    if dpace_alpha is not None:
+        # Why scatter back to [blocks, Bq]: D-PACE's products run along each block's slots in order.
+        grid = torch.zeros(sel.shape, device=h.device)
+        grid[sel] = torch.cat(confidence) if confidence else grid[sel]
+        held = torch.zeros(sel.shape, dtype=torch.bool, device=h.device)
+        held[sel] = weights > 0
+        Bq = block_size
+        weights = dpace_weights(grid.view(-1, Bq), held.view(-1, Bq), dpace_alpha).view(sel.shape)[sel]
     count = torch.zeros(block_size, device=h.device).index_add_(0, slot, (weights > 0).float())
-    loss = total / weights.sum().clamp(min=1e-6)
+    loss = (per_row * weights).sum() / weights.sum().clamp(min=1e-6)
     return loss, {"correct": correct.detach(), "count": count.detach()}
 
 

@@ -1,7 +1,8 @@
 """Drafter training: one recipe file holds every hyper-parameter; `dflashkit train --config FILE` runs it.
 
 - online target features (the frozen target runs inside the step, bf16);
-- AdamW, linear warmup + cosine decay, gradient clipping, bf16 autocast, gradient accumulation;
+- AdamW (or Muon + AdamW: `optimizer.py`), linear warmup + cosine decay, gradient clipping, bf16 autocast,
+  gradient accumulation;
 - per-position accuracy and simulated tau on the held-out split; JSONL log (+ TensorBoard if installed);
 - atomic checkpoints every `save_every` steps and exact resume: the batch and anchors of step k are a pure
   function of (seed, k, rank), so a resumed run replays exactly what the uninterrupted one would have done;
@@ -30,6 +31,7 @@ from .drafter import DFlashDrafter, dflash2_from
 from .errors import DFlashError
 from .objective import (build_blocks, decode_path_tau, dflash_loss, sample_anchors, selector_loss, simulated_tau,
                         teacher_rows, training_forward)
+from .optimizer import build_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,9 @@ class TrainConfig:
     # objective: "ce", cross-entropy to the data's tokens (the target's own greedy answers); "kl", KL(target ||
     # drafter) to the target's whole distribution at each slot (speculators' default for DFlash2)
     loss: str = "ce"
+    # slot weights: "exp", exp(-(j-1)/gamma); "dpace", D-PACE's (`objective.dpace_weights`, speculators' DFlash default)
+    position_weight: str = "exp"
+    dpace_alpha: float = 0.5
     num_anchors: int = 64
     gamma: float = 7.0
     max_len: int = 512
@@ -70,6 +75,7 @@ class TrainConfig:
     steps: int = 1000
     batch_size: int = 8  # sequences per rank per micro-step
     grad_accum: int = 1
+    optimizer: str = "adamw"  # or "muon": Muon on the weight matrices, AdamW on the rest (`optimizer.py`)
     lr: float = 6e-4
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
@@ -107,6 +113,7 @@ class TrainConfig:
 
 TRAIN_ONLY = ("all", "selector", "dflash2")
 LOSSES = ("ce", "kl")
+POSITION_WEIGHTS = ("exp", "dpace")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -183,7 +190,8 @@ def train_step_loss(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: torc
     with autocast():
         hidden = training_forward(drafter, target.embed, taps, blocks)
         loss, stats = dflash_loss(hidden, blocks, target.lm_head_weight, cfg.block_size, softcap=target.softcap,
-                                  d2t_head=head, t2d=t2d, teacher=teacher)
+                                  d2t_head=head, t2d=t2d, teacher=teacher,
+                                  dpace_alpha=cfg.dpace_alpha if cfg.position_weight == "dpace" else None)
         if selector is not None:  # DFlash2: unary + alpha * selector (over the full vocabulary's top-k)
             extra, more = selector_loss(hidden, blocks, target.lm_head_weight, selector, softcap=target.softcap)
             loss, stats = loss + cfg.selector_alpha * extra, {**stats, **more, "selector_loss": extra.detach()}
@@ -287,6 +295,11 @@ def _prepare(cfg: TrainConfig, target, tokenizer, device):
     drafter = drafter.to(device)
     if cfg.loss not in LOSSES:
         raise DFlashError(f"loss must be one of {', '.join(LOSSES)} (got {cfg.loss!r}).")
+    if cfg.position_weight not in POSITION_WEIGHTS:
+        raise DFlashError(f"position_weight must be one of {', '.join(POSITION_WEIGHTS)} "
+                          f"(got {cfg.position_weight!r}).")
+    if not 0.0 < cfg.dpace_alpha <= 1.0:
+        raise DFlashError(f"dpace_alpha must be in (0, 1] (got {cfg.dpace_alpha}).")
     if cfg.train_only not in TRAIN_ONLY:
         raise DFlashError(f"train_only must be one of {', '.join(TRAIN_ONLY)} (got {cfg.train_only!r}).")
     if cfg.train_only != "all":
@@ -303,19 +316,6 @@ def _prepare(cfg: TrainConfig, target, tokenizer, device):
         t2d[d2t] = torch.arange(d2t.numel(), device=device)
         vocab = (target.lm_head_weight[d2t], t2d)
     return target, drafter, train_shards, vocab
-
-
-def _param_groups(drafter: DFlashDrafter, cfg: TrainConfig) -> list[dict]:
-    """The trainable parameters: one group at lr, as before the scale existed (so checkpoints written then resume);
-    with selector_lr_scale != 1, DFlash2's selector in a second group at lr x scale (an empty group is left out)."""
-    if cfg.selector_lr_scale == 1.0:
-        return [{"params": [p for p in drafter.parameters() if p.requires_grad], "lr_scale": 1.0}]
-    new, old = [], []
-    for name, p in drafter.named_parameters():
-        if p.requires_grad:
-            (new if name.startswith("candidate_selector.") else old).append(p)
-    groups = [{"params": old, "lr_scale": 1.0}, {"params": new, "lr_scale": cfg.selector_lr_scale}]
-    return [g for g in groups if g["params"]]
 
 
 def _resume(drafter: DFlashDrafter, opt, ckpt: Path, device) -> int:
@@ -353,8 +353,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> DFlashDrafter:
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out_dir)
     target, drafter, train_shards, vocab = _prepare(cfg, target, tokenizer, device)
-    opt = torch.optim.AdamW(_param_groups(drafter, cfg), lr=cfg.lr, betas=tuple(cfg.betas),
-                            weight_decay=cfg.weight_decay)
+    opt = build_optimizer(drafter, cfg)
     step = _resume(drafter, opt, out / "checkpoint.pt", device)
     model = drafter
     if world > 1:

@@ -1,0 +1,91 @@
+"""The drafter's optimizer: AdamW over every trainable parameter (our default), or Muon over the weight matrices with
+AdamW over the rest (speculators' DFlash recipe). Either way one object that the training loop steps, schedules
+(through `param_groups`, each with its `lr_scale`) and checkpoints.
+
+Muon (`torch.optim.Muon`) orthogonalises the update of a 2-D matrix; vectors (norms, DFlash2's base kernels) and the
+selector's codebooks (token-indexed rows, like embeddings) stay on AdamW, as in speculators. Its lr is matched to
+AdamW's update size ("match_rms_adamw"), so one `lr` serves both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import DFlashError
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+def param_groups(drafter, selector_lr_scale: float) -> list[dict]:
+    """The trainable parameters: one group at lr, as before the scale existed (so checkpoints written then resume);
+    with selector_lr_scale != 1, DFlash2's selector in a second group at lr x scale (an empty group is left out).
+    Each group: {"params": [...], "names": [...], "lr_scale": float}."""
+    named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
+    if selector_lr_scale == 1.0:
+        splits = [(named, 1.0)]
+    else:
+        new = [(n, p) for n, p in named if n.startswith("candidate_selector.")]
+        old = [(n, p) for n, p in named if not n.startswith("candidate_selector.")]
+        splits = [(old, 1.0), (new, selector_lr_scale)]
+    return [{"params": [p for _, p in g], "names": [n for n, _ in g], "lr_scale": s} for g, s in splits if g]
+
+
+def muon_eligible(name: str, p: torch.Tensor) -> bool:
+    """A matrix Muon can orthogonalise: 2-D, both sides > 1, not a token-indexed codebook."""
+    return p.ndim == 2 and min(p.shape) > 1 and "codebook" not in name
+
+
+@dataclass
+class DrafterOptimizer:
+    parts: list[torch.optim.Optimizer]  # [AdamW] or [Muon, AdamW]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.parts for g in o.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.parts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.parts:
+            o.step()
+
+    def state_dict(self) -> dict:
+        # One part: AdamW's own state, as checkpoints were written before Muon existed (so they resume).
+        return self.parts[0].state_dict() if len(self.parts) == 1 else {"parts": [o.state_dict() for o in self.parts]}
+
+    def load_state_dict(self, state: dict) -> None:
+        states = [state] if "parts" not in state else state["parts"]
+        if len(states) != len(self.parts):
+            raise DFlashError("checkpoint.pt was written with another optimizer than the recipe's; resume with the "
+                              "optimizer it was written with, or train into a new out_dir.")
+        for o, s in zip(self.parts, states):
+            o.load_state_dict(s)
+
+
+def build_optimizer(drafter, cfg) -> DrafterOptimizer:
+    """cfg: a TrainConfig (optimizer, lr, betas, weight_decay, selector_lr_scale)."""
+    if cfg.optimizer not in OPTIMIZERS:
+        raise DFlashError(f"optimizer must be one of {', '.join(OPTIMIZERS)} (got {cfg.optimizer!r}).")
+    groups = param_groups(drafter, cfg.selector_lr_scale)
+    adamw = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return DrafterOptimizer([torch.optim.AdamW(groups, **adamw)])
+    matrices, rest = [], []
+    for g in groups:
+        pairs = list(zip(g["names"], g["params"]))
+        for out, keep in ((matrices, True), (rest, False)):
+            chosen = [(n, p) for n, p in pairs if muon_eligible(n, p) == keep]
+            if chosen:
+                out.append({"params": [p for _, p in chosen], "names": [n for n, _ in chosen],
+                            "lr_scale": g["lr_scale"]})
+    parts = []
+    if matrices:
+        parts.append(torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=0.95,
+                                      nesterov=True, adjust_lr_fn="match_rms_adamw"))
+    if rest:
+        parts.append(torch.optim.AdamW(rest, **adamw))
+    return DrafterOptimizer(parts)
