@@ -1,5 +1,6 @@
 """Which objective trains the better drafter? Ours (CE to the target's answers; KL to the target's distribution)
 against vLLM speculators' DFlash and DFlash2 trainers, at equal data, drafter size and time (issue 33 item 5).
+With `--only ours-ce,ours-dpace,ours-muon,ours-muon-dpace`: speculators' DFlash recipe taken apart inside ours.
 
     .venv/bin/python bench/train_vs_speculators.py --speculators-python .venv-spec/bin/python --minutes 30 \
         --work runs/train-vs-speculators --out bench/results/train-vs-speculators
@@ -8,8 +9,9 @@ Equal for all four: the SmolLM2 target's own answers (data/smollm2-135m-instruct
 4 sequences of at most 320 tokens, drawn as our trainer draws them), 2 draft layers tapping the same target layers,
 block 16, the same mask token, the full vocabulary (speculators' DFlash2 allows no other), 64 anchors a step, one
 thread each, the same wall-clock budget (two runs side by side on a 2-core host). Each trainer keeps its own recipe
-otherwise (ours: AdamW 6e-4, cosine, gamma 7; speculators': Muon + AdamW 1e-3, linear, its defaults per type), and
-sizes its schedule to the steps it can take in the budget (its step time measured first, over 4 steps).
+otherwise (ours: the options each run names, at lr 6e-4, cosine; speculators': Muon + AdamW 1e-3, linear, its
+defaults per type), and sizes its schedule to the steps it can take in the budget (its step time measured first,
+over 4 steps).
 Then every drafter decodes prompts never trained on (`bench/drafter_tau.py`: held-out ShareGPT, HumanEval,
 MT-Bench; the plain chain, greedy, bf16): tau and first-slot acceptance. Every phase resumes (rerun the command).
 speculators' virtualenv: docs/training.md ("Our objective against speculators'").
@@ -52,15 +54,18 @@ class Run:
 # in the order they run, two at a time: the first four pair one of ours with one of speculators', so that whatever
 # else the host does during a pair weighs on both sides alike; the last four (`--only`) take speculators' DFlash
 # recipe apart inside ours: D-PACE slot weights and Muon, each alone and together, beside our default again
-RUNS = [Run("ours-ce", "ours", "dflash", "ce", "dflashkit CE (default)", {"loss": "ce"}),
+# (ours spell out every option they set, so that a later change of TrainConfig's defaults does not change them)
+EXP = {"position_weight": "exp", "optimizer": "adamw"}
+RUNS = [Run("ours-ce", "ours", "dflash", "ce", "dflashkit CE", {"loss": "ce", **EXP}),
         Run("speculators-dflash", "speculators", "dflash", "ce + D-PACE", "speculators DFlash"),
-        Run("ours-kl", "ours", "dflash", "kl", "dflashkit KL", {"loss": "kl"}),
+        Run("ours-kl", "ours", "dflash", "kl", "dflashkit KL", {"loss": "kl", **EXP}),
         Run("speculators-dflash2", "speculators", "dflash2", "KL + selector", "speculators DFlash2"),
         Run("ours-dpace", "ours", "dflash", "ce + D-PACE", "dflashkit CE, D-PACE weights",
-            {"position_weight": "dpace"}),
-        Run("ours-muon", "ours", "dflash", "ce, Muon", "dflashkit CE, Muon", {"optimizer": "muon"}),
+            {"loss": "ce", "position_weight": "dpace", "optimizer": "adamw"}),
+        Run("ours-muon", "ours", "dflash", "ce, Muon", "dflashkit CE, Muon",
+            {"loss": "ce", "position_weight": "exp", "optimizer": "muon"}),
         Run("ours-muon-dpace", "ours", "dflash", "ce + D-PACE, Muon", "dflashkit CE, D-PACE weights, Muon",
-            {"position_weight": "dpace", "optimizer": "muon"})]
+            {"loss": "ce", "position_weight": "dpace", "optimizer": "muon"})]
 
 
 def write_batches(path: Path, steps: int) -> None:

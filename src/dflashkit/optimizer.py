@@ -39,6 +39,7 @@ def muon_eligible(name: str, p: torch.Tensor) -> bool:
 
 @dataclass
 class DrafterOptimizer:
+    name: str  # "adamw" | "muon"
     parts: list[torch.optim.Optimizer]  # [AdamW] or [Muon, AdamW]
 
     @property
@@ -60,8 +61,10 @@ class DrafterOptimizer:
     def load_state_dict(self, state: dict) -> None:
         states = [state] if "parts" not in state else state["parts"]
         if len(states) != len(self.parts):
-            raise DFlashError("checkpoint.pt was written with another optimizer than the recipe's; resume with the "
-                              "optimizer it was written with, or train into a new out_dir.")
+            written = "muon" if "parts" in state else "adamw"
+            raise DFlashError(f"checkpoint.pt was written with another optimizer ({written!r}) than the recipe's "
+                              f"({self.name!r}); add \"optimizer\": \"{written}\" to the recipe (`--config FILE`) "
+                              "to resume it, or train into a new out_dir.")
         for o, s in zip(self.parts, states):
             o.load_state_dict(s)
 
@@ -73,7 +76,7 @@ def build_optimizer(drafter, cfg) -> DrafterOptimizer:
     groups = param_groups(drafter, cfg.selector_lr_scale)
     adamw = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw":
-        return DrafterOptimizer([torch.optim.AdamW(groups, **adamw)])
+        return DrafterOptimizer("adamw", [torch.optim.AdamW(groups, **adamw)])
     matrices, rest = [], []
     for g in groups:
         pairs = list(zip(g["names"], g["params"]))
@@ -88,4 +91,4 @@ def build_optimizer(drafter, cfg) -> DrafterOptimizer:
                                       nesterov=True, adjust_lr_fn="match_rms_adamw"))
     if rest:
         parts.append(torch.optim.AdamW(rest, **adamw))
-    return DrafterOptimizer(parts)
+    return DrafterOptimizer("muon", parts)

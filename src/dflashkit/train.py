@@ -1,7 +1,7 @@
 """Drafter training: one recipe file holds every hyper-parameter; `dflashkit train --config FILE` runs it.
 
 - online target features (the frozen target runs inside the step, bf16);
-- AdamW (or Muon + AdamW: `optimizer.py`), linear warmup + cosine decay, gradient clipping, bf16 autocast,
+- Muon + AdamW (or AdamW alone: `optimizer.py`), linear warmup + cosine decay, gradient clipping, bf16 autocast,
   gradient accumulation;
 - per-position accuracy and simulated tau on the held-out split; JSONL log (+ TensorBoard if installed);
 - atomic checkpoints every `save_every` steps and exact resume: the batch and anchors of step k are a pure
@@ -65,8 +65,9 @@ class TrainConfig:
     # objective: "ce", cross-entropy to the data's tokens (the target's own greedy answers); "kl", KL(target ||
     # drafter) to the target's whole distribution at each slot (speculators' default for DFlash2)
     loss: str = "ce"
-    # slot weights: "exp", exp(-(j-1)/gamma); "dpace", D-PACE's (`objective.dpace_weights`, speculators' DFlash default)
-    position_weight: str = "exp"
+    # slot weights: "dpace", D-PACE's (`objective.dpace_weights`, speculators' DFlash default); "exp", exp(-(j-1)/gamma)
+    # The default with optimizer "muon" since bench/results/train-recipe-parts/ (mean decoded tau 1.268 vs 1.108).
+    position_weight: str = "dpace"
     dpace_alpha: float = 0.5
     num_anchors: int = 64
     gamma: float = 7.0
@@ -75,7 +76,7 @@ class TrainConfig:
     steps: int = 1000
     batch_size: int = 8  # sequences per rank per micro-step
     grad_accum: int = 1
-    optimizer: str = "adamw"  # or "muon": Muon on the weight matrices, AdamW on the rest (`optimizer.py`)
+    optimizer: str = "muon"  # Muon on the weight matrices, AdamW on the rest (`optimizer.py`); or "adamw"
     lr: float = 6e-4
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
