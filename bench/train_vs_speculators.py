@@ -233,14 +233,15 @@ def report(runs: list[Run], work: Path, out: Path, args, ctx: dict) -> None:
     md += ["", "Reference, not trained here: the bundled 5-layer drafter (GPU-trained): " +
            ", ".join(f"{ds} {bundled[ds]['tau']:.3f}" for ds in datasets) + "."]
     (out / "train_vs_speculators.md").write_text("\n".join(md) + "\n")
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.6))
     w = 0.8 / len(rows)
     for i, r in enumerate(rows):
         ax.bar(np.arange(len(datasets)) + i * w, [r["decoded"][ds]["tau"] for ds in datasets], w, label=r["trainer"])
     ax.set_xticks(np.arange(len(datasets)) + w * (len(rows) - 1) / 2, datasets)
     ax.set_ylabel("decoded tau (plain chain)")
+    ax.set_ylim(bottom=1.0)  # tau >= 1: one token a step without any accepted draft
     ax.set_title(f"{LAYERS}-layer drafters, {args.minutes:g} min each, same data")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
     fig.tight_layout()
     fig.savefig(out / "train_vs_speculators.png", dpi=120)
     print("\n".join(md))
