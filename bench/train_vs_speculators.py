@@ -38,6 +38,7 @@ from dflashkit.train import Batches
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "smollm2-135m-instruct"
+BUNDLED = ROOT / "src" / "dflashkit" / "drafters" / "smollm2-135m-instruct"
 BATCH, MAX_LEN, ANCHORS, LAYERS, BLOCK, SEED = 4, 320, 16, 2, 16, 0
 
 
@@ -65,7 +66,12 @@ RUNS = [Run("ours-ce", "ours", "dflash", "ce", "dflashkit CE", {"loss": "ce", **
         Run("ours-muon", "ours", "dflash", "ce, Muon", "dflashkit CE, Muon",
             {"loss": "ce", "position_weight": "exp", "optimizer": "muon"}),
         Run("ours-muon-dpace", "ours", "dflash", "ce + D-PACE, Muon", "dflashkit CE, D-PACE weights, Muon",
-            {"loss": "ce", "position_weight": "dpace", "optimizer": "muon"})]
+            {"loss": "ce", "position_weight": "dpace", "optimizer": "muon"}),
+        # the bundled 5-layer drafter fine-tuned further by each recipe (its own layers, taps and mask)
+        Run("bundled-ft-old", "ours", "dflash", "ce, AdamW", "bundled drafter + old recipe (exp, AdamW)",
+            {"init_from": str(BUNDLED), "lr": 2e-4, "loss": "ce", **EXP}),
+        Run("bundled-ft-new", "ours", "dflash", "ce + D-PACE, Muon", "bundled drafter + new recipe (D-PACE, Muon)",
+            {"init_from": str(BUNDLED), "lr": 2e-4, "loss": "ce", "position_weight": "dpace", "optimizer": "muon"})]
 
 
 def write_batches(path: Path, steps: int) -> None:
