@@ -246,7 +246,8 @@ def report(runs: list[Run], work: Path, out: Path, args, ctx: dict) -> None:
     ax.set_xticks(np.arange(len(datasets)) + w * (len(rows) - 1) / 2, datasets)
     ax.set_ylabel("decoded tau (plain chain)")
     ax.set_ylim(bottom=1.0)  # tau >= 1: one token a step without any accepted draft
-    ax.set_title(f"{LAYERS}-layer drafters, {args.minutes:g} min each, same data")
+    what = "the bundled drafter fine-tuned" if any("init_from" in r.recipe for r in runs) else f"{LAYERS}-layer drafters"
+    ax.set_title(f"{what}, {args.minutes:g} min each, same data")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
     fig.tight_layout()
     fig.savefig(out / "train_vs_speculators.png", dpi=120)
