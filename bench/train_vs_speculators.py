@@ -97,7 +97,8 @@ def command(run: Run, d: Path, args, steps: int, seconds: float, ctx: dict) -> l
         recipe = dict(out_dir=str(d), data_dir=str(DATA), num_layers=LAYERS, block_size=BLOCK, steps=steps,
                       batch_size=BATCH, num_anchors=ANCHORS, max_len=MAX_LEN, bf16=False, target_dtype="float32",
                       mask_token_id=ctx["mask"], target_layer_ids=ctx["taps"], eval_every=10 ** 9,
-                      eval_batches=0, save_every=50, log_every=1, time_limit_s=seconds, seed=SEED, device="cpu", **run.recipe)
+                      eval_batches=0, save_every=50, log_every=1, time_limit_s=seconds, seed=SEED, device="cpu",
+                      **run.recipe)
         (d / "recipe-in.json").write_text(json.dumps(recipe, indent=1) + "\n")
         return [sys.executable, "-m", "dflashkit.cli", "train", "--config", str(d / "recipe-in.json")]
     # speculators counts hidden_states ids (0 = embeddings): our decoder layer i is its id i + 1
@@ -230,7 +231,8 @@ def report(runs: list[Run], work: Path, out: Path, args, ctx: dict) -> None:
           f"thread, the same batches ({BATCH} x <= {MAX_LEN} tokens, {BATCH * ANCHORS} anchors a step). Decoded: "
           f"{args.prompts} prompts per dataset never trained on, {args.max_new_tokens} tokens, the plain chain, "
           "greedy, bf16: tau (first-slot acceptance).", "",
-          "| trainer | objective | steps | " + " | ".join(datasets) + " | mean tau | differing |", "|---" * (5 + len(datasets)) + "|"]
+          "| trainer | objective | steps | " + " | ".join(datasets) + " | mean tau | differing |",
+          "|---" * (5 + len(datasets)) + "|"]
     for r in rows:
         taus = [r["decoded"][ds]["tau"] for ds in datasets]
         cells = [f"{r['decoded'][ds]['tau']:.3f} ({r['decoded'][ds]['first_slot']:.2f})" for ds in datasets]
@@ -246,7 +248,8 @@ def report(runs: list[Run], work: Path, out: Path, args, ctx: dict) -> None:
     ax.set_xticks(np.arange(len(datasets)) + w * (len(rows) - 1) / 2, datasets)
     ax.set_ylabel("decoded tau (plain chain)")
     ax.set_ylim(bottom=1.0)  # tau >= 1: one token a step without any accepted draft
-    what = "the bundled drafter fine-tuned" if any("init_from" in r.recipe for r in runs) else f"{LAYERS}-layer drafters"
+    fine_tuned = any("init_from" in r.recipe for r in runs)
+    what = "the bundled drafter fine-tuned" if fine_tuned else f"{LAYERS}-layer drafters"
     ax.set_title(f"{what}, {args.minutes:g} min each, same data")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
     fig.tight_layout()

@@ -178,7 +178,8 @@ def dflash_loss(hidden: torch.Tensor, blocks: Blocks, lm_head: torch.Tensor, blo
     if dpace_alpha is not None:
         # Why scatter back to [blocks, Bq]: D-PACE's products run along each block's slots in order.
         grid = torch.zeros(sel.shape, device=h.device)
-        grid[sel] = torch.cat(confidence) if confidence else grid[sel]
+        if confidence:
+            grid[sel] = torch.cat(confidence)
         held = torch.zeros(sel.shape, dtype=torch.bool, device=h.device)
         held[sel] = weights > 0
         Bq = block_size

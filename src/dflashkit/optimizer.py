@@ -1,5 +1,5 @@
-"""The drafter's optimizer: AdamW over every trainable parameter (our default), or Muon over the weight matrices with
-AdamW over the rest (speculators' DFlash recipe). Either way one object that the training loop steps, schedules
+"""The drafter's optimizer: Muon over the weight matrices with AdamW over the rest (speculators' DFlash recipe, our
+default), or AdamW over every trainable parameter. Either way one object that the training loop steps, schedules
 (through `param_groups`, each with its `lr_scale`) and checkpoints.
 
 Muon (`torch.optim.Muon`) orthogonalises the update of a 2-D matrix; vectors (norms, DFlash2's base kernels) and the
@@ -40,7 +40,7 @@ def muon_eligible(name: str, p: torch.Tensor) -> bool:
 @dataclass
 class DrafterOptimizer:
     name: str  # "adamw" | "muon"
-    parts: list[torch.optim.Optimizer]  # [AdamW] or [Muon, AdamW]
+    parts: list[torch.optim.Optimizer]  # adamw: [AdamW]; muon: [Muon, AdamW] (less an empty one)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -55,17 +55,18 @@ class DrafterOptimizer:
             o.step()
 
     def state_dict(self) -> dict:
-        # One part: AdamW's own state, as checkpoints were written before Muon existed (so they resume).
-        return self.parts[0].state_dict() if len(self.parts) == 1 else {"parts": [o.state_dict() for o in self.parts]}
+        # adamw: AdamW's own state, as checkpoints were written before Muon existed (so they resume); muon: its parts.
+        if self.name == "adamw":
+            return self.parts[0].state_dict()
+        return {"parts": [o.state_dict() for o in self.parts]}
 
     def load_state_dict(self, state: dict) -> None:
-        states = [state] if "parts" not in state else state["parts"]
-        if len(states) != len(self.parts):
-            written = "muon" if "parts" in state else "adamw"
+        written = "muon" if "parts" in state else "adamw"
+        if written != self.name:
             raise DFlashError(f"checkpoint.pt was written with another optimizer ({written!r}) than the recipe's "
                               f"({self.name!r}); add \"optimizer\": \"{written}\" to the recipe (`--config FILE`) "
                               "to resume it, or train into a new out_dir.")
-        for o, s in zip(self.parts, states):
+        for o, s in zip(self.parts, state["parts"] if written == "muon" else [state], strict=True):
             o.load_state_dict(s)
 
 
