@@ -323,6 +323,26 @@ def test_layer_stack_speculative_greedy_output_is_ar(arch):
     assert [g.tokens for g in eng.generate(prompts, max_new_tokens=32)] == [g.tokens for g in ar]
 
 
+def test_layer_stack_silu_lookup_is_the_function_for_every_bf16_input():
+    """The stack's SiLU reads a table of bf16(g / (1 + expf(-g))) over all 65,536 bf16 inputs: it must hold what
+    the function, with the C library's own expf, gives for each (the stack computed it per element before)."""
+    import ctypes
+    import ctypes.util
+
+    from dflashkit.kernels import load
+
+    expf = ctypes.CDLL(ctypes.util.find_library("m")).expf
+    expf.restype, expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    g = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float().numpy()
+    with np.errstate(all="ignore"):
+        e = np.array([expf(float(-v)) for v in g], dtype=np.float32)
+        want = torch.from_numpy(g / (np.float32(1.0) + e)).bfloat16().view(torch.int16)
+    got = load().Stack.silu_table()
+    nan = want.view(torch.bfloat16).isnan()  # NaN inputs, and -inf (-inf / inf): any NaN's bits will do
+    assert torch.equal(got[~nan], want[~nan])
+    assert torch.isnan(got.view(torch.bfloat16)[nan]).all()
+
+
 def test_layer_stack_refuses_what_it_does_not_implement():
     with pytest.raises(DFlashError, match="needs our linear and attention kernels"):
         make_target("llama", torch.bfloat16, backend="lean").use_layer_stack()
