@@ -20,8 +20,8 @@ def with_oracle(engine, reference, keep=0.75, seed=0):
     (sequence, position), so they do not depend on the order of the batch's rows."""
 
     class Oracle(engine.drafter_factory):
-        def draft(self, state, view, k=1, probs=False):
-            d, logp = super().draft(state, view, k, probs)
+        def draft(self, state, view, k=1, probs=False, block=None):
+            d, logp = super().draft(state, view, k, probs, block)
             for r, (s, st) in enumerate(zip(view.seqs, view.start.tolist())):
                 full = reference[s.index]
                 rng = random.Random(f"{seed}-{s.index}-{st}")
@@ -143,8 +143,8 @@ def check_caches_while_decoding(eng, t, dr, prompts, max_new):
     checked = {"draft": 0, "target": 0}
 
     class Checker(eng.drafter_factory):  # wraps the oracle, if any
-        def draft(self, state, view, k=1, probs=False):
-            d = super().draft(state, view, k, probs)
+        def draft(self, state, view, k=1, probs=False, block=None):
+            d = super().draft(state, view, k, probs, block)
             dcache = state.cache
             for r, (s, st) in enumerate(zip(view.seqs, view.start.tolist())):
                 committed = s.prompt + s.generated
@@ -278,7 +278,7 @@ def test_a_joining_prompt_stays_pending_until_the_drafter_runs(arch):
     drafted = []
 
     class Checker(eng.drafter_factory):
-        def draft(self, state, view, k=1, probs=False):
+        def draft(self, state, view, k=1, probs=False, block=None):
             for r, (s, st) in enumerate(zip(view.seqs, view.start.tolist())):
                 committed = s.prompt + s.generated
                 pos = torch.arange(st)[None]
@@ -287,7 +287,7 @@ def test_a_joining_prompt_stays_pending_until_the_drafter_runs(arch):
                     torch.testing.assert_close(state.cache.keys[layer][r, :, :st], k_[0], rtol=1e-9, atol=1e-9)
                     torch.testing.assert_close(state.cache.values[layer][r, :, :st], v_[0], rtol=1e-9, atol=1e-9)
             drafted.append(len(view.seqs))
-            return super().draft(state, view, k, probs)
+            return super().draft(state, view, k, probs, block)
 
     eng.set_proposers(drafter=Checker)
     batch = eng.new_batch(max_len=96)

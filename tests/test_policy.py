@@ -75,6 +75,15 @@ def test_cost_model_interpolates_extrapolates_and_learns():
     assert frozen.verify(8, 0) == 1.0
 
 
+def test_the_drafter_is_priced_by_its_block():
+    c = CostModel([10.0] * len(VERIFY_GRID), 0.0, [8.0, 20.0, 80.0], draft_short_ms=[2.0, 5.0, 20.0], draft_block=16)
+    assert c.draft(1) == c.draft(1, block=16) == pytest.approx(8.0)  # the configured block
+    assert c.draft(1, block=2) == pytest.approx(2.0) and c.draft(4, block=9) == pytest.approx(5.0 + 15.0 / 2)
+    # a short block timed slower than the full one (noise) never prices a full block below it
+    assert CostModel([10.0] * 7, 0.0, [8.0] * 3, draft_short_ms=[9.0] * 3, draft_block=16).draft(1, block=4) == 8.0
+    assert CostModel([10.0] * 7, 0.0, [8.0] * 3).draft(1, block=2) == 8.0  # a model without the short timing
+
+
 def test_a_noisy_calibration_never_makes_a_wider_pass_look_free():
     """Timing noise only adds time: the model keeps the points' lower convex hull, so one slow point cannot make
     the next width free (24.0 ms at 4 tokens, 23.9 at 8 was measured) and the width factor has a difference to
@@ -172,6 +181,35 @@ def test_adaptive_greedy_equals_ar(arch, backend, model):
         assert 1 < st["mean_width"] < 1 + 6 + 4
 
 
+def test_the_drafting_block_follows_the_depth_the_cuts_keep(arch):
+    """Where verifying more than a node or two does not pay, the drafter drafts short blocks (one slot past the
+    deepest drafter node recent cuts kept); where cuts fill the block it grows back. Output stays AR's."""
+    t = make_target(arch)
+    eng = DFlashEngine(t, make_drafter(t, block_size=8), eos_token_ids=[], config=DecodeConfig(
+        block_size=8, policy="adaptive"), cost=CostModel([10.0 + 10.0 * (n - 1) for n in VERIFY_GRID], 0.0,
+                                                         [0.01] * 3, draft_short_ms=[0.01] * 3, draft_block=8,
+                                                         learn=False))  # a step per verified token: cut short
+    ar, ref = reference_runs(eng, PROMPTS, 40)
+    with_oracle(eng, ref, keep=1.0)
+    blocks = []
+
+    class Spy(eng.drafter_factory):
+        def propose(self, state, view, scores=False, block=None):
+            nodes = super().propose(state, view, scores, block)
+            blocks.append(block or self.block_size)
+            assert nodes.max_depth <= blocks[-1] - 1  # no node deeper than its block
+            return nodes
+    eng.set_proposers(drafter=Spy)
+    assert [g.tokens for g in eng.generate(PROMPTS, max_new_tokens=40)] == [g.tokens for g in ar]
+    assert blocks[0] == 8 and max(blocks[1:]) < 8 and min(blocks) >= 2
+    # verifying becomes nearly free and every draft is right: the cuts fill the block, which grows back to 8
+    eng.policy(eng.config).cost = CostModel(list(FLAT.verify_ms), 0.0, [0.001] * 3, draft_short_ms=[0.001] * 3,
+                                            draft_block=8, learn=False)
+    del blocks[:]
+    assert [g.tokens for g in eng.generate(PROMPTS, max_new_tokens=40)] == [g.tokens for g in ar]
+    assert blocks[:4] != [8] * 4 and blocks[-1] == 8 and blocks.count(8) > len(blocks) // 2
+
+
 def test_adaptive_caches_hold_the_committed_context_when_the_drafter_skips_steps(arch):
     """The drafter's pending features pile up over skipped steps and are ingested at its next forward: its cache
     must still equal a fresh computation at every draft call."""
@@ -199,6 +237,7 @@ def test_the_cost_model_is_calibrated_once_and_cached(tmp_path, monkeypatch):
     # model: >= 0, not necessarily > 0 on a busy machine)
     stored = next(iter(json.loads(file.read_text()).values()))
     assert {"draft_ctx_ms", "ingest_ms"} <= stored.keys() and min(c1.ingest_ms, c1.draft_ctx_ms) >= 0
+    assert stored["draft_block"] == 4 and len(stored["draft_short_ms"]) == len(DRAFT_GRID)  # and a block of 2
     import dflashkit.step_cost as step_cost
 
     monkeypatch.setattr(step_cost, "calibrate", lambda *a: pytest.fail("measured again instead of reading the cache"))

@@ -60,9 +60,9 @@ def greedy_oracle(engine, t: Target):
     sample often leaves the argmax."""
 
     class Oracle(engine.drafter_factory):
-        def draft(self, state, view, k=1, probs=False):
+        def draft(self, state, view, k=1, probs=False, block=None):
             seqs = view.seqs
-            drafts = torch.zeros((len(seqs), self.block_size - 1, k), dtype=torch.long)
+            drafts = torch.zeros((len(seqs), (block or self.block_size) - 1, k), dtype=torch.long)
             logp = torch.zeros(drafts.shape)
             texts = [s.prompt + s.generated for s in seqs]
             for n in set(map(len, texts)):  # rows are ragged: one batch per committed length

@@ -356,7 +356,7 @@ class DecodeBatch:
         draft = None
         if plan.draft:
             draft = self.drafter.propose(self.dstate, DraftView(self.anchor, self.start, ctx, self.seqs, self.starts),
-                                         scores=plan.scores)
+                                         scores=plan.scores, block=plan.block)
         if plan.lookup_keep is not None:  # the policy cut each row's lookup branch before the tree is built
             branch = branch[:, :max(plan.lookup_keep, default=0)]
             length = torch.minimum(length, torch.tensor(plan.lookup_keep, device=length.device))

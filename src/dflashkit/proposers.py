@@ -197,23 +197,27 @@ class DrafterProposer:
             cache.write(layer, k, v, pos)
 
     # ---- drafting -------------------------------------------------------------------------------------------
-    def propose(self, state: DraftState, view: DraftView, scores: bool = False) -> DraftNodes:
+    def propose(self, state: DraftState, view: DraftView, scores: bool = False,
+                block: int | None = None) -> DraftNodes:
         """Ingest the pending features, draft one block, and return the chain or the tree of likeliest paths.
-        scores: also give each node's path log-probability (the adaptive policy prunes the tree itself then)."""
+        scores: also give each node's path log-probability (the adaptive policy prunes the tree itself then).
+        block: this pass's block, 2 .. block_size (None: block_size): [anchor, MASK x (block - 1)], so nodes reach
+        depth block - 1 at most, and the drafter's layers and head run over `block` queries per row, not all
+        block_size (measured: the first slots' acceptance does not change, bench/results/draft-block/)."""
         self.ingest(state, view.starts)
         if self.drafter.candidate_selector is not None:
-            return self._selected(state, view, scores)
+            return self._selected(state, view, scores, block)
         # A tree of n nodes needs at most the n best tokens per slot (its beam is then exact, `topk_tree`).
-        toks, logp = self.draft(state, view, k=min(self.tree, 16) if self.tree else 1, probs=scores)
+        toks, logp = self.draft(state, view, k=min(self.tree, 16) if self.tree else 1, probs=scores, block=block)
         if self.tree:
             return topk_tree(toks, logp, self.tree, 0.0 if scores else self.tree_min_prob)
         return chain_nodes(toks[..., 0], logp[..., 0] if scores else None)
 
-    def _selected(self, state: DraftState, view: DraftView, scores: bool) -> DraftNodes:
+    def _selected(self, state: DraftState, view: DraftView, scores: bool, block: int | None = None) -> DraftNodes:
         """DFlash2: the chain is the candidate selector's path through each slot's top-k (`dflash2.CandidateSelector`);
         a tree holds the paths the selector scores highest (each slot's candidates scored after its parent's token).
         scores: each node's path log-probability (the chain: under the drafter's unary distribution)."""
-        h = self._hidden(state, view)[:, 1:]
+        h = self._hidden(state, view, block)[:, 1:]
         logits = self.target.logits(h, self.head)  # [b, B-1, V']
         selector = self.drafter.candidate_selector
         if self.tree:
@@ -226,13 +230,14 @@ class DrafterProposer:
             logp = logits.float().log_softmax(-1).gather(-1, sel.columns[..., None])[..., 0]
         return chain_nodes(sel.path, logp)
 
-    def draft(self, state: DraftState, view: DraftView, k: int = 1,
-              probs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, state: DraftState, view: DraftView, k: int = 1, probs: bool = False,
+              block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's k best tokens per block slot 1..B-1 as target ids [b, B-1, k], best first, and their
-        log-probabilities [b, B-1, k] (float32; zeros for k = 1 unless probs, where only the argmax is needed)."""
+        log-probabilities [b, B-1, k] (float32; zeros for k = 1 unless probs, where only the argmax is needed).
+        block: this pass's B (None: block_size)."""
         # Same-position prediction: output slot j (j >= 1) proposes the token AT position anchor + j; slot 0
         # (the anchor itself) is discarded.
-        logits = self.target.logits(self._hidden(state, view)[:, 1:], self.head)
+        logits = self.target.logits(self._hidden(state, view, block)[:, 1:], self.head)
         if k == 1 and not probs:  # no probabilities needed: skip the softmax (max, not bf16 argmax: see sampling.py)
             drafts = logits.max(-1, keepdim=True).indices
             logp = torch.zeros(drafts.shape, dtype=torch.float32, device=drafts.device)
@@ -240,11 +245,15 @@ class DrafterProposer:
             logp, drafts = logits.float().log_softmax(-1).topk(k, dim=-1)
         return (self.d2t[drafts] if self.d2t is not None else drafts), logp
 
-    def _hidden(self, state: DraftState, view: DraftView) -> torch.Tensor:
-        """The drafter's final-normed states [b, B, H] of the block [anchor, MASK x (B-1)] at the anchors."""
+    def _hidden(self, state: DraftState, view: DraftView, block: int | None = None) -> torch.Tensor:
+        """The drafter's final-normed states [b, B, H] of the block [anchor, MASK x (B-1)] at the anchors (B: block,
+        default block_size)."""
         c, anchor = self.drafter.config, view.anchor
-        b, Q, dev = anchor.shape[0], self.block_size, anchor.device
-        blk_pos = view.start[:, None] + self._arange_q  # [b, Q]
+        Q = self.block_size if block is None else block
+        if not 2 <= Q <= self.block_size:
+            raise DFlashError(f"a drafting block must hold 2 .. {self.block_size} tokens (got {Q})")
+        b, dev = anchor.shape[0], anchor.device
+        blk_pos = view.start[:, None] + self._arange_q[:Q]  # [b, Q]
         # Why mask_token_id: slots 1..B-1 are embedded as the mask token the drafter was trained with; a different
         # id does not crash, it just drafts garbage.
         block = torch.full((b, Q), c.mask_token_id, dtype=torch.long, device=dev)

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 VERIFY_GRID = (1, 2, 4, 8, 16, 32, 64)  # tokens per target pass timed by `calibrate` (linear beyond the last)
 DRAFT_GRID = (1, 4, 16)  # batch rows of the drafter's forward timed by `calibrate`
 DRAFT_CTX = 64  # ... at this context length (a context term and the pending features' cost are timed apart)
+DRAFT_MIN_BLOCK = 2  # ... and at this short block beside the configured one (a pass of B tokens: in between)
 
 
 def batch_bucket(rows: int) -> int:
@@ -64,14 +65,17 @@ def lower_hull(grid: tuple, ys: list[float]) -> list[float]:
 class CostModel:
     """Milliseconds of one decoding step here. verify_ms: a target pass (forward + LM head) of VERIFY_GRID tokens
     at a short context; ctx_ms: extra ms per verified token per 1,000 context positions; draft_ms: the drafter's
-    proposal for DRAFT_GRID rows at a DRAFT_CTX context, one feature pending per row. learn: correct online from
-    measured steps (`observe`)."""
+    proposal for DRAFT_GRID rows at a DRAFT_CTX context, one feature pending per row, at the configured block
+    (`draft_block`) and at DRAFT_MIN_BLOCK (`draft_short_ms`; None: not timed, every block priced as the configured
+    one). learn: correct online from measured steps (`observe`)."""
 
     verify_ms: list[float]
     ctx_ms: float
     draft_ms: list[float]
     draft_ctx_ms: float = 0.0  # the drafter: extra ms per row per 1,000 context positions beyond DRAFT_CTX ...
     ingest_ms: float = 0.0  # ... and ms per 1,000 pending features written into its cache (`DraftState`)
+    draft_short_ms: list[float] | None = None  # the drafter's proposal at a block of DRAFT_MIN_BLOCK, DRAFT_GRID rows
+    draft_block: int = 0  # the block draft_ms was timed at
     learn: bool = True
     rate: float = 0.15  # how far one measured step moves the model toward itself
 
@@ -85,6 +89,8 @@ class CostModel:
         # the calibrated points as their lower convex hull (`lower_hull`); models cached before it get it on load
         self.verify_ms = lower_hull(VERIFY_GRID, list(self.verify_ms))
         self.draft_ms = lower_hull(DRAFT_GRID, list(self.draft_ms))
+        if self.draft_short_ms is not None:
+            self.draft_short_ms = lower_hull(DRAFT_GRID, list(self.draft_short_ms))
 
     def verify(self, tokens: int, ctx: int) -> float:
         base = max(_interp(VERIFY_GRID, self.verify_ms, tokens), 1e-3) + self.ctx_ms * tokens * ctx / 1000
@@ -108,29 +114,36 @@ class CostModel:
             return memo[width]
         return cost_of
 
-    def draft(self, rows: int, ctx: int = 0, pending: int = 0) -> float:
-        """The drafter's step for `rows` rows at context `ctx` with `pending` features (all rows) to ingest first.
-        Why the context and the pending features count: its attention reads every context feature (a 4,000-token
-        prompt costs it more than the target's verify) and a drafter skipped for k steps first writes k features
-        per row; timed at a short context only, the policy drafted at a loss on long prompts and big batches."""
+    def draft(self, rows: int, ctx: int = 0, pending: int = 0, block: int | None = None) -> float:
+        """The drafter's step for `rows` rows at context `ctx` with `pending` features (all rows) to ingest first,
+        drafting a block of `block` tokens (None: the configured block). Why the context and the pending features
+        count: its attention reads every context feature (a 4,000-token prompt costs it more than the target's
+        verify) and a drafter skipped for k steps first writes k features per row; timed at a short context only,
+        the policy drafted at a loss on long prompts and big batches. Why the block: the drafter's layers and head
+        run over the block's queries; linear in the block between the two timed ones (measured on two CPUs within
+        ~10 %: bench/results/draft-block/)."""
         base = max(_interp(DRAFT_GRID, self.draft_ms, rows), 1e-3)
+        if block is not None and self.draft_short_ms is not None and DRAFT_MIN_BLOCK <= block < self.draft_block:
+            short = min(max(_interp(DRAFT_GRID, self.draft_short_ms, rows), 1e-3), base)
+            base = short + (base - short) * (block - DRAFT_MIN_BLOCK) / (self.draft_block - DRAFT_MIN_BLOCK)
         extra = (self.draft_ctx_ms * rows * max(ctx - DRAFT_CTX, 0) / 1000
                  + self.ingest_ms * max(pending - rows, 0) / 1000)
         return self.draft_scale * (base + extra)
 
     def observe(self, tokens: int, ctx: int, draft_rows: int, ms: float, draft_ctx: int = 0,
-                pending: int = 0) -> None:
+                pending: int = 0, draft_block: int | None = None) -> None:
         """A measured step moves the scales toward measured / predicted. Why one scale for every width, not a local
         correction at the width measured: most steps are AR steps, and what makes them slower than calibrated (a
         busy host, per-row work outside the forward) slows wider passes alike; raising only the AR point would make
         the never-measured wide passes look cheap by comparison, and the policy would verify at a loss (measured:
         0.64x AR at batch 16 on MT-Bench). The calibrated shape is kept."""
         if self.learn:
-            self._move_scales(self.verify(tokens, ctx), ms, draft_rows, draft_ctx, pending)
+            self._move_scales(self.verify(tokens, ctx), ms, draft_rows, draft_ctx, pending, draft_block)
 
-    def _move_scales(self, verify: float, ms: float, draft_rows: int, draft_ctx: int, pending: int) -> None:
+    def _move_scales(self, verify: float, ms: float, draft_rows: int, draft_ctx: int, pending: int,
+                     draft_block: int | None = None) -> None:
         """Move the scales toward measured / predicted; verify: the predicted target pass."""
-        pred = verify + (self.draft(draft_rows, draft_ctx, pending) if draft_rows else 0.0)
+        pred = verify + (self.draft(draft_rows, draft_ctx, pending, draft_block) if draft_rows else 0.0)
         err = min(max(ms - pred, -0.5 * pred), 0.5 * pred)  # a descheduled step must not wreck the model
         step = 1 + self.rate * err / pred
         self.scale *= step
@@ -138,7 +151,7 @@ class CostModel:
             self.draft_scale *= step
 
     def observe_pass(self, rows: int, width: int, ctx: int, draft_rows: int, ms: float, draft_ctx: int = 0,
-                     pending: int = 0) -> None:
+                     pending: int = 0, draft_block: int | None = None) -> None:
         """A measured step of `pass_ms(rows, width, ctx)` (+ the drafter's, if it ran). A plain or drafted step
         moves the scales (`_move_scales`); a wide step without the drafter moves only the factor of its width beyond
         the plain step, at its batch size. Why a factor of its own: calibrated on one row, a wide pass over many rows
@@ -148,7 +161,7 @@ class CostModel:
         if not self.learn:
             return
         if width <= 1 or draft_rows:  # predicted as the policy priced it: the width factor included
-            self._move_scales(self.pass_ms(rows, width, ctx), ms, draft_rows, draft_ctx, pending)
+            self._move_scales(self.pass_ms(rows, width, ctx), ms, draft_rows, draft_ctx, pending, draft_block)
             return
         one = self.verify(rows, ctx + 1)
         extra = max(self.pass_ms(rows, width, ctx) - one, 1e-3)
@@ -192,18 +205,21 @@ def calibrate(target, proposer) -> CostModel:
     if proposer is None:
         return CostModel([round(x, 3) for x in verify], round(ctx_ms, 4), [0.0] * len(DRAFT_GRID))
     draft = [_best_of(_draft_fn(target, proposer, b)) for b in DRAFT_GRID]
+    B = proposer.block_size
+    short = [round(_best_of(_draft_fn(target, proposer, b, block=DRAFT_MIN_BLOCK)), 3) for b in DRAFT_GRID] \
+        if B > DRAFT_MIN_BLOCK else None
     draft_ctx = max(_best_of(_draft_fn(target, proposer, 1, ctx=DRAFT_CTX + 1024)) - draft[0], 0.0) / 1.024
     # ms per 1,000 pending features: 257 against 1 at one context (a feature per position: the context holds them)
     long = DRAFT_CTX + 256
     ingest = max(_best_of(_draft_fn(target, proposer, 1, ctx=long, pending=257))
                  - _best_of(_draft_fn(target, proposer, 1, ctx=long)), 0.0) / 0.256
     return CostModel([round(x, 3) for x in verify], round(ctx_ms, 4), [round(x, 3) for x in draft],
-                     round(draft_ctx, 4), round(ingest, 4))
+                     round(draft_ctx, 4), round(ingest, 4), draft_short_ms=short, draft_block=B)
 
 
-def _draft_fn(target, proposer, rows: int, ctx: int = DRAFT_CTX, pending: int = 1):
+def _draft_fn(target, proposer, rows: int, ctx: int = DRAFT_CTX, pending: int = 1, block: int | None = None):
     """A drafter step for `rows` rows at context `ctx`, first ingesting `pending` features per row (restored before
-    every call, so that each timed call does the same work)."""
+    every call, so that each timed call does the same work), drafting a block of `block` (None: the configured)."""
     from .proposers import DraftView
 
     c = proposer.drafter.config
@@ -217,7 +233,7 @@ def _draft_fn(target, proposer, rows: int, ctx: int = DRAFT_CTX, pending: int = 
 
     def step():
         state.lo = [ctx - min(pending, ctx)] * rows  # the last `pending` context features of each row not ingested
-        return proposer.propose(state, view, scores=True)
+        return proposer.propose(state, view, scores=True, block=block)
     return step
 
 
@@ -231,8 +247,8 @@ def cost_key(target, proposer) -> str:
     # The kernels set the costs (the drafter runs the target's, `kernel_plan.apply_to_drafter`). Why their sources
     # too (in the plan's identity): a faster kernel keeps the plan's name; priced by its predecessor's times, the
     # policy would misjudge every step (a 1-token step measured at 11.7 ms, now 8.5). "draft-ctx": models calibrated
-    # before the drafter's context and ingest terms lack them.
-    engine = engine_identity(target) + "/draft-ctx"
+    # before the drafter's context and ingest terms lack them; "draft-block": ... and its short-block timing.
+    engine = engine_identity(target) + "/draft-ctx/draft-block"
     return machine_key("step-cost", engine, target.architecture, target.hidden_size, target.num_layers,
                        target.vocab_size, target.dtype, target.device, draft)
 
@@ -246,7 +262,8 @@ def load_or_calibrate(target, proposer, cache_file: str | os.PathLike | None) ->
     log.info("calibrating the step cost model on this machine (once; cached in %s)", cache_file)
     cost = calibrate(target, proposer)
     log.info("step cost: verify %s ms at %s tokens (+%s ms per token per 1K context), drafter %s ms at %s rows "
-             "(+%s ms per row per 1K context, +%s ms per 1K pending features)", cost.verify_ms, VERIFY_GRID,
-             cost.ctx_ms, cost.draft_ms, DRAFT_GRID, cost.draft_ctx_ms, cost.ingest_ms)
+             "(block %s; %s ms at block %d; +%s ms per row per 1K context, +%s ms per 1K pending features)",
+             cost.verify_ms, VERIFY_GRID, cost.ctx_ms, cost.draft_ms, DRAFT_GRID, cost.draft_block,
+             cost.draft_short_ms, DRAFT_MIN_BLOCK, cost.draft_ctx_ms, cost.ingest_ms)
     store(cache_file, key, {k: v for k, v in asdict(cost).items() if k not in ("learn", "rate")})
     return cost

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
 
-from ..step_cost import CostModel
+from ..step_cost import DRAFT_MIN_BLOCK, CostModel
 from ..tree import SOURCE_DRAFTER, DraftTree
 from .acceptance import Acceptance, RowHistory
 from .cut import ANCHOR, MARGIN, CutChoice, best_cut
@@ -20,6 +20,7 @@ from .probes import Looks, Probes
 from .step import Plan, PolicyStats, StepOutcome, StepView, TreeCut
 
 ROWS_KEPT = 4096  # per-row histories kept (least recently used dropped): far more than any batch's rows
+DEPTH_WINDOW = 8  # drafted steps whose cut depths set the next drafting block (`_block`)
 
 
 @dataclass
@@ -37,7 +38,7 @@ class StepRecord:
     props: list[list[int]] = field(default_factory=list)  # per row: the lookup proposal
     matched: list[int] = field(default_factory=list)  # per row: its match length
     no_draft_rate: float = 0.0  # committed tokens per ms of the best cut without the drafter
-    draft_in: tuple[int, int] = (0, 0)  # the drafter's (context, pending features), for the cost model
+    draft_in: tuple = (0, 0, None)  # the drafter's (context, pending features, block), for the cost model
     probe: bool = False  # the drafter runs as a probe
     kept: list[np.ndarray] = field(default_factory=list)  # per row: kept node indices (0 = the anchor)
     own: np.ndarray | None = None  # [b, W] each kept node's predicted acceptance (before prefix-closing)
@@ -56,6 +57,7 @@ class AdaptivePolicy:
         self.cost, self.acc, self.clock = cost, acceptance or Acceptance(), clock
         self.probes, self.looks = Probes(), Looks()
         self.histories: OrderedDict[int, RowHistory] = OrderedDict()
+        self.depths: deque[tuple[int, int]] = deque(maxlen=DEPTH_WINDOW)  # recent cuts: (deepest drafter node, block)
         self.stats = PolicyStats()
 
     # ---- the three calls ----------------------------------------------------------------------------------
@@ -79,7 +81,7 @@ class AdaptivePolicy:
         cut = best_cut(rec.values, live, cost_of, margin=MARGIN)
         if view.drafter and not lk.skips_drafter and self._wants_drafter(view, rec, cut, cost_of):
             rec.no_draft_rate = cut.rate
-            return Plan(look=True, draft=True, scores=True, record=rec)
+            return Plan(look=True, draft=True, scores=True, block=rec.draft_in[2], record=rec)
         keep = rec.values >= cut.threshold
         keep[:, 0] = True
         self._learn_look(cut, live, cost_of(1), 1000 * (self.clock() - t0))
@@ -110,6 +112,8 @@ class AdaptivePolicy:
         best = best_cut(host[0], rec.live, self.cost.pass_curve(rec.rows, rec.ctx), sunk, MARGIN)
         keep = host[0] >= best.threshold
         keep[:, 0] = True  # the anchor: its verification is the step itself
+        drafted = host[2][keep & (host[4] > 0)]
+        self.depths.append((int(drafted.max()) if drafted.size else 0, rec.draft_in[2] or self.cost.draft_block))
         self.probes.learn(best.gain / max(rec.live, 1), best.width, best.rate > rec.no_draft_rate, b)
         rec.kept, rec.own, rec.p, rec.drafter_node = [np.flatnonzero(r) for r in keep], host[3], host[1], host[4] > 0
         rec.width = best.width
@@ -183,7 +187,7 @@ class AdaptivePolicy:
         features and the wider verify."""
         pr = self.probes
         rows, w, base = view.rows, int(pr.width), cost_of(1)
-        rec.draft_in = (view.ctx, view.pending)
+        rec.draft_in = (view.ctx, view.pending, self._block())
         extra = (self.cost.draft(rows, *rec.draft_in) + cost_of(w) - base
                  + (pr.width - w) * (cost_of(w + 1) - cost_of(w)))
         if rec.live * (1 + pr.gain) / (base + MARGIN * extra) > cut.judged:
@@ -192,8 +196,20 @@ class AdaptivePolicy:
             rec.probe = True
             return True
         pr.skip(base)
-        rec.draft_in = (0, 0)
+        rec.draft_in = (0, 0, None)
         return False
+
+    def _block(self) -> int | None:
+        """The next drafting pass's block: one slot past the deepest drafter node the recent cuts kept, or twice
+        the block where a cut kept a node in its last slot (so the block grows back when deeper drafts start to
+        pay); the configured block (None) until a cut is seen. Why: a drafting pass costs about linearly in its
+        block (`CostModel.draft`), on a CPU a verify of more than a few nodes rarely pays, and the first slots of a
+        short block accept as those of a full one (bench/results/draft-block/)."""
+        B = self.cost.draft_block
+        if B <= DRAFT_MIN_BLOCK or not self.depths:
+            return None
+        need = max(d + 2 if d < b - 1 else 2 * b for d, b in self.depths)
+        return None if need >= B else max(need, DRAFT_MIN_BLOCK)
 
     def _learn_look(self, cut: CutChoice, live: int, base: float, spent: float) -> None:
         """After a look without the drafter: its value (ms its cut saves against AR) and its host cost."""

@@ -43,13 +43,14 @@ class StepView:
 
 @dataclass
 class Plan:
-    """One step's choice. The batch reads `look`, `draft`, `scores` and `lookup_keep`; `record` is the policy's own
-    (what it predicted, for `observe`)."""
+    """One step's choice. The batch reads `look`, `draft`, `scores`, `lookup_keep` and `block`; `record` is the
+    policy's own (what it predicted, for `observe`)."""
 
     look: bool  # False: a plain AR step decided without looking: no lookup, no drafter, the anchors alone
     draft: bool  # run the drafter (then `cut` prunes the tree)
     scores: bool = False  # the drafter returns its nodes' path log-probabilities (`DraftTree.logp`): `cut` reads them
     lookup_keep: list[int] | None = None  # per row: lookup tokens to verify (None: all it proposed)
+    block: int | None = None  # the drafting pass's block, 2 .. the configured (None: the configured block)
     record: Any = None
 
 
