@@ -173,12 +173,16 @@ inline void tile_tokens(const Weights& W, const float* buf, int64_t n0, const fl
 constexpr int64_t TILE16 = 6;  // 4 tokens x 6 rows = 24 accumulators of the 32 zmm registers
 
 // MR tokens (rows of x, stride K) against weight rows `w[r]` (r < TILE16; a row past the matrix repeats the last).
+// ahead: rows pulled into L1 meanwhile, one line of each per k step (nullptr: none; bf16 weights read from memory).
 template <int MR>
-DFK_AVX512BF16 void bf16_tile(const uint16_t* const* w, const uint16_t* x, int64_t K, float out[][TILE16]) {
+DFK_AVX512BF16 void bf16_tile(const uint16_t* const* w, const uint16_t* x, int64_t K, float out[][TILE16],
+                              const uint16_t* const* ahead = nullptr) {
   __m512 acc[MR][TILE16];
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < TILE16; ++r) acc[i][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
+    if (ahead)
+      for (int r = 0; r < TILE16; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead[r] + k), _MM_HINT_T0);
     __m512bh xv[MR];
     for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * K + k);
     for (int r = 0; r < TILE16; ++r) {
@@ -197,10 +201,22 @@ DFK_AVX512BF16 void bf16_tile(const uint16_t* const* w, const uint16_t* x, int64
 // every token at bf16 speed, while a one-token step still reads 4-bit codes from memory. The rounding to bf16 is
 // a relative 2^-9 per weight, far below the 4-bit codes' own step (a different target than the 8-lane path's fp32
 // products: the engine name says which ISA ran).
-DFK_AVX512BF16 void decode_row_bf16(const Weights& W, int64_t n, uint16_t* out) {
-  const int64_t nb = W.K / 32;
+// ahead: a row whose codes, scales and minima are pulled into L1 meanwhile (-1: none); no effect on bits.
+DFK_AVX512BF16 void decode_row_bf16(const Weights& W, int64_t n, uint16_t* out, int64_t ahead) {
+  const int64_t nb = W.K / 32, block_bytes = W.kind == 1 ? 16 : 32;
   const uint8_t* row = W.codes + n * W.row_bytes;
+  const char* next = ahead >= 0 ? reinterpret_cast<const char*>(W.codes + ahead * W.row_bytes) : nullptr;
+  if (next) {  // the scale (and minimum) rows: a few lines each, their last byte included
+    for (const float* t : {W.d, W.kind == 1 ? W.m : nullptr}) {
+      if (!t) continue;
+      const char* p = reinterpret_cast<const char*>(t + ahead * nb);
+      for (int64_t o = 0; o < nb * 4; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+      _mm_prefetch(p + nb * 4 - 1, _MM_HINT_T0);
+    }
+  }
   for (int64_t b = 0; b < nb; ++b) {
+    if (next && (b * block_bytes) % 64 == 0) _mm_prefetch(next + b * block_bytes, _MM_HINT_T0);
+    if (next && b == nb - 1) _mm_prefetch(next + W.row_bytes - 1, _MM_HINT_T0);
     const __m512 d = _mm512_set1_ps(W.d[n * nb + b]);
     __m512 lo, hi;  // elements 0-15 and 16-31 of the block
     if (W.kind == 1) {  // byte j: element j (low nibble), element j + 16 (high nibble)
@@ -237,16 +253,26 @@ DFK_AVX512BF16 void rowlinear_bf16_avx512(const uint16_t* xp, const uint16_t* wp
         if (W.kind == 0) {
           w[r] = wp + (n0 + std::min(r, rows - 1)) * K;
         } else {  // rows past the matrix repeat the last one
-          if (r < rows) decode_row_bf16(W, n0 + r, buf.data() + r * K);
+          // Why the row two tiles on is prefetched: from memory (a step streams ~100 MB of codes, far more than
+          // the caches), six row streams at once are more than the hardware prefetcher keeps up with.
+          const int64_t ahead = n0 + r + 2 * TILE16;
+          if (r < rows) decode_row_bf16(W, n0 + r, buf.data() + r * K, ahead < N ? ahead : -1);
           w[r] = buf.data() + std::min(r, rows - 1) * K;
         }
       }
+      // bf16 weights: the rows two tiles on are prefetched during the first token group's pass (the codes are
+      // prefetched as they are decoded, `decode_row_bf16`); no effect on bits.
+      const uint16_t* ahead[TILE16];
+      const bool pf = W.kind == 0 && n0 + 2 * TILE16 < N;
+      for (int64_t r = 0; r < TILE16 && pf; ++r) ahead[r] = wp + std::min(n0 + 2 * TILE16 + r, N - 1) * K;
+      const uint16_t* const* first = pf ? ahead : nullptr;
       int64_t i = 0;
-      for (; i + 4 <= M; i += 4) bf16_tile<4>(w, xp + i * K, K, out), store_tile<TILE16>(yp, N, i, n0, rows, out, 4);
+      for (; i + 4 <= M; i += 4, first = nullptr)
+        bf16_tile<4>(w, xp + i * K, K, out, first), store_tile<TILE16>(yp, N, i, n0, rows, out, 4);
       const int64_t left = M - i;
-      if (left == 3) bf16_tile<3>(w, xp + i * K, K, out), store_tile<TILE16>(yp, N, i, n0, rows, out, 3);
-      if (left == 2) bf16_tile<2>(w, xp + i * K, K, out), store_tile<TILE16>(yp, N, i, n0, rows, out, 2);
-      if (left == 1) bf16_tile<1>(w, xp + i * K, K, out), store_tile<TILE16>(yp, N, i, n0, rows, out, 1);
+      if (left == 3) bf16_tile<3>(w, xp + i * K, K, out, first), store_tile<TILE16>(yp, N, i, n0, rows, out, 3);
+      if (left == 2) bf16_tile<2>(w, xp + i * K, K, out, first), store_tile<TILE16>(yp, N, i, n0, rows, out, 2);
+      if (left == 1) bf16_tile<1>(w, xp + i * K, K, out, first), store_tile<TILE16>(yp, N, i, n0, rows, out, 1);
     }
   });
 }
@@ -297,11 +323,15 @@ DFK_AMX void amx_end() { _tile_release(); }
 // k); 6: the B tile (16 k-pairs x 16 tokens). Three independent accumulators keep the tile unit busy (one waits on
 // its previous product's latency). `tiles`: how many of the three hold weight rows.
 constexpr int64_t AMX_ROWS = 48;
-DFK_AMX void amx_block(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t K, float c[3][16][16], int tiles) {
+// next: `next_rows` weight rows (stride lda) pulled into L1 meanwhile, a line of each per k step (nullptr: none).
+DFK_AMX void amx_block(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t K, float c[3][16][16], int tiles,
+                       const uint16_t* next = nullptr, int64_t next_rows = 0) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   for (int64_t k = 0; k < K; k += 32) {
+    for (int64_t r = 0; r < next_rows; ++r)
+      _mm_prefetch(reinterpret_cast<const char*>(next + r * lda + k), _MM_HINT_T0);
     _tile_loadd(6, b + (k / 2) * 16, 64);
     _tile_loadd(3, a + k, lda * 2);
     _tile_dpbf16ps(0, 3, 6);
@@ -344,8 +374,11 @@ DFK_AMX void rowlinear_bf16_amx(const uint16_t* xp, const uint16_t* wp, int64_t 
         std::memcpy(buf.data(), a, rows * K * 2);
         a = buf.data();
       }
+      // the next block's rows, prefetched during the first chunk's pass (why: see decode_row_bf16's caller)
+      const int64_t next_rows = std::max<int64_t>(std::min(AMX_ROWS, N - n0 - AMX_ROWS), 0);
       for (int64_t ch = 0; ch < chunks; ++ch) {
-        amx_block(a, K, xt.data() + ch * pairs * 16, K, c, tiles);
+        amx_block(a, K, xt.data() + ch * pairs * 16, K, c, tiles, ch == 0 ? wp + (n0 + AMX_ROWS) * K : nullptr,
+                  ch == 0 ? next_rows : 0);
         const int64_t toks = std::min<int64_t>(16, M - 16 * ch);
         for (int64_t i = 0; i < toks; ++i)
           for (int64_t r = 0; r < rows; ++r) yp[(16 * ch + i) * N + n0 + r] = c[r / 16][r % 16][i];
