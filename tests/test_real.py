@@ -320,9 +320,17 @@ def test_the_default_target_reads_its_weights_as_gguf_codes_with_the_same_bits(m
         c = t.new_cache(1, P + 16)
         h, f = t.forward(ids, torch.arange(P)[None], c, kv_len=P, taps=True)
         h2, f2 = t.forward(block, pos, c, kv_len=P + 16, slots=pos, taps=True)
-        got.append([t.logits(h), f, t.logits(h2), f2])
+        got.append([t.logits(h), f, t.logits(h2), f2, h2])
     for a, b in zip(*got):
         assert torch.equal(a, b)
+    # the drafter's reduced-vocabulary head is those rows of the codes: the bf16 rows' logits, to the bit
+    from dflashkit.kernels import RowLinear
+    from dflashkit.proposers import draft_head
+
+    d2t = torch.randperm(codes.vocab_size, generator=torch.Generator().manual_seed(1))[:4096].sort().values
+    head = draft_head(codes, d2t)
+    assert isinstance(head, RowLinear) and head.kind == "q8_0" and not isinstance(draft_head(plain, d2t), RowLinear)
+    assert torch.equal(codes.logits(got[0][4], head), plain.logits(got[1][4], plain.lm_head_weight[d2t]))
     # the codes are cached in a folder of their own: engines that load every *.safetensors of the converted
     # directory (vLLM) must find the model's weights there and nothing else
     from dflashkit.loader import resolve_target_dir

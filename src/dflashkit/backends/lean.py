@@ -235,11 +235,15 @@ class LeanTarget(HFTarget):
         ws = [w for layer in self._layers for w in (layer.wqkv, layer.wgu, layer.wo, layer.wdown)]
         return [w for w in ws if isinstance(w, torch.Tensor)] + [self.lm_head_weight]
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """As `HFTarget.logits`; on our kernels also a row subset `weight` (the drafter's reduced vocabulary)."""
-        if self.head is None or (weight is not None and (weight.dtype != torch.bfloat16 or weight.shape[1] % 32)):
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | RowLinear | None = None) -> torch.Tensor:
+        """As `HFTarget.logits`; on our kernels also a row subset `weight` (the drafter's reduced vocabulary), as a
+        bf16 tensor or as rows of the head's codes (`proposers.draft_head`)."""
+        if isinstance(weight, RowLinear):
+            head = weight
+        elif self.head is None or (weight is not None and (weight.dtype != torch.bfloat16 or weight.shape[1] % 32)):
             return super().logits(hidden, weight)
-        head = self.head if weight is None else RowLinear.from_bf16(weight)
+        else:
+            head = self.head if weight is None else RowLinear.from_bf16(weight)
         logits = head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
         return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
 
