@@ -382,14 +382,22 @@ def test_the_drafter_runs_on_the_layer_stack_beside_a_stacked_target(arch):
     pos = torch.arange(20).expand(3, 20)
     start = torch.tensor([20, 14, 9])  # ragged rows: each sees its own context only
     view = DraftView(torch.tensor([5, 6, 7]), start, 20, [])
-    out = []
+    out, caches = [], []
     for prop in (stacked, per_op):
         state = prop.prefill(feats, pos, pos[:, -1], 40)
-        prop.ingest(state)
+        prop.ingest(state)  # (drafting then writes the block's own K/V past each row's start: compare before)
+        caches.append(([k.clone() for k in state.cache.keys], [v.clone() for v in state.cache.values]))
         _, logp = prop.draft(state, view, k=4, probs=True)
         out.append(logp)
     a, b = out
     assert (a[..., 0] - b[..., 0]).abs().max() < 0.1 * b[..., 0].abs().max() + 0.05
+    # the context's K/V, written by the stack in one call (`Stack.context`): the per-op values to the bit (the same
+    # linear kernel), the keys up to the norm's rounding; the stack's value rows end in 1.0
+    for layer in range(cfg.num_hidden_layers):
+        ks, vs = caches[0][0][layer][:, :, :20], caches[0][1][layer][:, :, :20]
+        kp, vp = caches[1][0][layer][:, :, :20], caches[1][1][layer][:, :, :20]
+        assert torch.equal(vs[..., :8], vp) and (vs[..., 8] == 1).all()
+        torch.testing.assert_close(ks.float(), kp.float(), rtol=0.02, atol=0.02)
     prompts = [[5, 9, 11, 3], [7, 7, 1, 30, 31, 2, 8]]
     ar = eng.generate(prompts, max_new_tokens=32, config=DecodeConfig.autoregressive())
     assert [x.tokens for x in eng.generate(prompts, max_new_tokens=32)] == [x.tokens for x in ar]

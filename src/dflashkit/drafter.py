@@ -237,8 +237,8 @@ def layer_stack(drafter: DFlashDrafter):
     the ~40 small torch ops per layer around the kernels were ~half of a drafting step on a CPU), or None where it
     cannot run them (no kernels, not bf16, attention biases, a width not a multiple of 32, DFlash2's convolutions,
     sliding-window or causal draft layers).
-    Its fused qkv and gate/up weights are copies: build it once per drafter (`DFlashEngine` does, next to a stacked
-    target)."""
+    Its fused qkv, gate/up and kv (the context's K/V, `Stack.context`) weights are copies: build it once per drafter
+    (`DFlashEngine` does, next to a stacked target)."""
     from .kernels import RowLinear, load, stack_linear
 
     c = drafter.config
@@ -259,7 +259,7 @@ def layer_stack(drafter: DFlashDrafter):
                         layer.post_attention_layernorm.weight.detach().contiguous(),
                         a.q_norm.weight.detach().contiguous(), a.k_norm.weight.detach().contiguous(),
                         [fused(a.q_proj, a.k_proj, a.v_proj), fused(a.o_proj), fused(m.gate_proj, m.up_proj),
-                         fused(m.down_proj)], 1.0 / math.sqrt(c.head_dim))
+                         fused(m.down_proj), fused(a.k_proj, a.v_proj)], 1.0 / math.sqrt(c.head_dim))
     return stack
 
 

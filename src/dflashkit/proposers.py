@@ -202,6 +202,12 @@ class DrafterProposer:
 
     def _write(self, cache: PositionCache, feats: torch.Tensor, pos: torch.Tensor) -> None:
         dr = self.drafter
+        if self.stack is not None:  # every layer's K/V in one C++ call, at slot == position
+            c = dr.config
+            x = dr.fuse(feats)
+            cos, sin = rope_cos_sin(pos, c.head_dim, c.rope_theta, x.dtype)  # [b, 1, R, hd]
+            self.stack.context(x, cos[:, 0], sin[:, 0], cache.keys, cache.values, pos.contiguous())
+            return
         for layer, (k, v) in enumerate(dr.context_kv(dr.fuse(feats), pos)):
             if self.stack is not None:  # the stack's value rows: [V | 1.0] (backends/lean.py)
                 v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
