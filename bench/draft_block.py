@@ -34,6 +34,7 @@ import torch
 from dflashkit import DecodeConfig, DFlashEngine
 from dflashkit.bench.datasets import load_dataset
 from dflashkit.loader import encode_chat, load_models
+from dflashkit.measurements import cpu_name
 from dflashkit.proposers import DraftView
 
 
@@ -136,13 +137,6 @@ def main() -> int:
     plot(out / "draft_block.png", res)
     print(report(res))
     return 0
-
-
-def cpu_name() -> str:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    return f"{model} ({', '.join(f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16') if f in flags)})"
 
 
 def table(res: dict) -> list[dict]:

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from dflashkit.kernels import RowLinear, isa, set_isa
 from dflashkit.loader import apply_kernels, load_target, resolve_target_dir
+from dflashkit.measurements import cpu_name
 
 ROWS = [1, 4, 16, 32]
 VARIANTS = ["hf", "lean", "lean+rowlinear", "lean+rowlinear+attend", "lean+rowlinear+attend+layers@avx2",
@@ -105,15 +106,6 @@ def step_table(targets: dict, ids: list[int], repeats: int) -> dict:
     return out
 
 
-def _cpu() -> str:
-    """The CPU's model name and its bf16 / int8 dot-product units (what the kernels' speed depends on)."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    units = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
-    return f"{model} ({', '.join(units)})"
-
-
 def main() -> int:
     from dflashkit.bench.datasets import load_dataset
     from dflashkit.loader import encode_chat
@@ -140,7 +132,7 @@ def main() -> int:
     res = {"linears_ms": linear_table(targets, args.repeats), "target_step_ms": step_table(targets, ids, args.repeats)}
     meta = {"command": " ".join(["bench/kernel_bench.py"] + sys.argv[1:]), "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "prompt_tokens": len(ids),
-            "repeats": args.repeats, "rowlinear_isa": isa(), "cpu": _cpu()}
+            "repeats": args.repeats, "rowlinear_isa": isa(), "cpu": cpu_name()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernels.json").write_text(json.dumps({"meta": meta, **res}, indent=2) + "\n")

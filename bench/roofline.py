@@ -129,6 +129,7 @@ def drafter_steps(target, tok, ctx: int, m: dict, repeats: int, draft_vocab: int
 def main() -> int:
     from dflashkit.kernels import isa, set_isa
     from dflashkit.loader import load_target
+    from dflashkit.measurements import cpu_name
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results/roofline")
@@ -160,13 +161,6 @@ def main() -> int:
     plot(out / "roofline.png", res)
     print(report(res))
     return 0
-
-
-def cpu_name() -> str:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    return f"{model} ({', '.join(f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_bf16') if f in flags)})"
 
 
 def report(res: dict) -> str:

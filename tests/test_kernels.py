@@ -352,11 +352,15 @@ def test_layer_stack_refuses_what_it_does_not_implement():
     with pytest.raises(DFlashError, match="not Llama-style"):
         g.use_layer_stack()
     t = _stacked("llama")
-    with pytest.raises(RuntimeError, match="outside the cache"):
-        t.stack.forward(torch.zeros(1, 1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, 8, dtype=torch.bfloat16),
-                        torch.zeros(1, 1, 8, dtype=torch.bfloat16), t.new_cache(1, 4).keys, t.new_cache(1, 4).values,
-                        torch.tensor([[9]]), torch.zeros(1, 1, 4, dtype=torch.bool),
-                        torch.full((1, 1, 33), -1), [])
+    x, rot, cache = torch.zeros(1, 1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, 8, dtype=torch.bfloat16), \
+        t.new_cache(1, 4)
+    with pytest.raises(RuntimeError, match="Stack.forward: slot 9 lies outside the cache"):
+        t.stack.forward(x, rot, rot, cache.keys, cache.values, torch.tensor([[9]]),
+                        torch.zeros(1, 1, 4, dtype=torch.bool), torch.full((1, 1, 33), -1), [])
+    with pytest.raises(RuntimeError, match="Stack.context: slot 9 lies outside the cache"):
+        t.stack.context(x, rot, rot, cache.keys, cache.values, torch.tensor([[9]]))
+    with pytest.raises(RuntimeError, match="Stack.context: the layers were added without their kv linears"):
+        t.stack.context(x, rot, rot, cache.keys, cache.values, torch.tensor([[3]]))
 
 
 @pytest.mark.parametrize("arch", STACKED_ARCHS)

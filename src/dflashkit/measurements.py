@@ -34,6 +34,20 @@ def machine_key(*parts) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
+def cpu_name() -> str:
+    """The CPU's model name and the units our kernels' speed depends on, for benchmark reports:
+    "Intel(R) Xeon(R) Processor (avx2, avx512f, avx512_bf16, amx_bf16)"."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")),
+                 platform.processor() or platform.machine())
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    units = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
+    return f"{model} ({', '.join(units)})"
+
+
 def _table(file) -> dict:
     if file and os.path.isfile(file):
         try:

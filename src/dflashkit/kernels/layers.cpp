@@ -137,17 +137,8 @@ class Stack {
                                                    torch::Tensor slots, torch::Tensor head, torch::Tensor tail,
                                                    std::vector<int64_t> taps) {
     const int64_t B = x.size(0), Q = x.size(1), H = x.size(2), M = B * Q, nl = layers_.size();
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && H % 32 == 0, "Stack.forward: x must be bf16 [B, Q, H]");
-    TORCH_CHECK(static_cast<int64_t>(keys.size()) == nl && static_cast<int64_t>(values.size()) == nl,
-                "Stack.forward: one cache layer per decoder layer");
-    TORCH_CHECK(cos.sizes() == torch::IntArrayRef({B, Q, hd_}) && sin.sizes() == cos.sizes() &&
-                    slots.sizes() == torch::IntArrayRef({B, Q}) && slots.scalar_type() == torch::kLong,
-                "Stack.forward: cos / sin [B, Q, hd] and slots [B, Q] int64");
+    check_rows("Stack.forward", x, cos, sin, keys, values, slots);
     cos = cos.contiguous(), sin = sin.contiguous(), slots = slots.contiguous();
-    const int64_t T = keys.empty() ? 0 : keys[0].size(2);
-    const int64_t* sp = slots.data_ptr<int64_t>();
-    for (int64_t r = 0; r < M; ++r)  // checked here, not inside the threads that write the cache
-      TORCH_CHECK(sp[r] >= 0 && sp[r] < T, "Stack.forward: slot ", sp[r], " lies outside the cache (", T, " slots)");
     x = x.reshape({M, H}).contiguous().clone();
     torch::Tensor feats = torch::empty({M, static_cast<int64_t>(taps.size()) * H}, x.options());
     torch::Tensor h = torch::empty({M, H}, x.options());
@@ -181,18 +172,9 @@ class Stack {
   void context(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys,
                std::vector<torch::Tensor> values, torch::Tensor slots) {
     const int64_t B = x.size(0), R = x.size(1), H = x.size(2), M = B * R, nl = layers_.size();
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && H % 32 == 0, "Stack.context: x must be bf16 [B, R, H]");
-    TORCH_CHECK(static_cast<int64_t>(keys.size()) == nl && static_cast<int64_t>(values.size()) == nl,
-                "Stack.context: one cache layer per layer");
-    TORCH_CHECK(cos.sizes() == torch::IntArrayRef({B, R, hd_}) && sin.sizes() == cos.sizes() &&
-                    slots.sizes() == torch::IntArrayRef({B, R}) && slots.scalar_type() == torch::kLong,
-                "Stack.context: cos / sin [B, R, hd] and slots [B, R] int64");
+    check_rows("Stack.context", x, cos, sin, keys, values, slots);
     cos = cos.contiguous(), sin = sin.contiguous(), slots = slots.contiguous();
     x = x.reshape({M, H}).contiguous();
-    const int64_t T = keys.empty() ? 0 : keys[0].size(2);
-    const int64_t* sp = slots.data_ptr<int64_t>();
-    for (int64_t r = 0; r < M; ++r)
-      TORCH_CHECK(sp[r] >= 0 && sp[r] < T, "Stack.context: slot ", sp[r], " lies outside the cache (", T, " slots)");
     torch::Tensor none;
     for (int64_t i = 0; i < nl; ++i) {
       const Layer& ly = layers_[i];
@@ -205,6 +187,25 @@ class Stack {
   }
 
  private:
+  // What `forward` and `context` check of their arguments, before any thread writes the cache: x bf16 [B, Q, H],
+  // one cache layer per layer, cos / sin [B, Q, hd], slots [B, Q] int64 inside the cache. `who` names the caller.
+  void check_rows(const char* who, const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                  const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                  const torch::Tensor& slots) const {
+    const int64_t B = x.size(0), Q = x.size(1), H = x.size(2), nl = layers_.size();
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && H % 32 == 0, who, ": x must be bf16 [B, Q, H]");
+    TORCH_CHECK(static_cast<int64_t>(keys.size()) == nl && static_cast<int64_t>(values.size()) == nl, who,
+                ": one cache layer per layer");
+    TORCH_CHECK(cos.sizes() == torch::IntArrayRef({B, Q, hd_}) && sin.sizes() == cos.sizes() &&
+                    slots.sizes() == torch::IntArrayRef({B, Q}) && slots.scalar_type() == torch::kLong,
+                who, ": cos / sin [B, Q, hd] and slots [B, Q] int64");
+    const torch::Tensor s = slots.contiguous();
+    const int64_t T = keys.empty() ? 0 : keys[0].size(2);
+    const int64_t* sp = s.data_ptr<int64_t>();
+    for (int64_t r = 0; r < B * Q; ++r)
+      TORCH_CHECK(sp[r] >= 0 && sp[r] < T, who, ": slot ", sp[r], " lies outside the cache (", T, " slots)");
+  }
+
   // feats[:, t H : (t + 1) H] = x [M, H], row by row. Why not narrow().copy_(): a dispatched strided copy per tap
   // per step cost ~0.1 ms of a 15 ms step at 8 rows (measured: the forward with 5 taps against none), and every plain
   // step of the default pays it; a row copy is the same bits.
