@@ -11,7 +11,6 @@ Writes long_step.json, long_step.md and long_step.png into --out.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -74,6 +73,7 @@ def plot(path: Path, res: dict) -> None:
 
 def main() -> int:
     from dflashkit.loader import load_target
+    from dflashkit.bench.report import write_result
     from dflashkit.measurements import cpu_name
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,11 +87,7 @@ def main() -> int:
     res = {"meta": {"command": "bench/long_step.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
                     "cpu": cpu_name(), "threads": torch.get_num_threads(), "engine": t.engine_name},
            "contexts": ctxs}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "long_step.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / "long_step.md").write_text(report(res))
-    plot(out / "long_step.png", res)
+    write_result(args.out, "long_step", res, report(res), plot)
     print(report(res))
     return 0
 

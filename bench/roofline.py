@@ -17,7 +17,6 @@ Medians of `--repeats` timings. Writes roofline.json, roofline.md and roofline.p
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -129,6 +128,7 @@ def drafter_steps(target, tok, ctx: int, m: dict, repeats: int, draft_vocab: int
 def main() -> int:
     from dflashkit.kernels import isa, set_isa
     from dflashkit.loader import load_target
+    from dflashkit.bench.report import write_result
     from dflashkit.measurements import cpu_name
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,11 +154,7 @@ def main() -> int:
     res = {"meta": meta, "target": steps, "drafter": drafts,
            "verify4_over_step1": round(steps["1x4"]["ms"] / one, 3),
            "draft1_over_step1": round(drafts["1"]["ms"] / one, 3)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "roofline.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / "roofline.md").write_text(report(res))
-    plot(out / "roofline.png", res)
+    write_result(args.out, "roofline", res, report(res), plot)
     print(report(res))
     return 0
 

@@ -278,3 +278,13 @@ def write_report(report: dict, out_dir: str | Path) -> dict:
     write_markdown(report, out)
     plots(report, out)
     return report
+
+
+def write_result(out_dir: str | Path, stem: str, res: dict, text: str, plot) -> None:
+    """A bench script's result in `out_dir` (created): `res` as STEM.json, `text` as STEM.md, and `plot(path, res)`
+    drawing STEM.png."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(text)
+    plot(out / f"{stem}.png", res)
