@@ -212,8 +212,6 @@ class DrafterProposer:
             self.stack.context(x, cos[:, 0], sin[:, 0], cache.keys, cache.values, pos.contiguous())
             return
         for layer, (k, v) in enumerate(dr.context_kv(dr.fuse(feats), pos)):
-            if self.stack is not None:  # the stack's value rows: [V | 1.0] (backends/lean.py)
-                v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
             cache.write(layer, k, v, pos)
 
     # ---- drafting -------------------------------------------------------------------------------------------

@@ -93,13 +93,13 @@ static void attend_one(const uint16_t* qrow, const uint16_t* kb, const uint16_t*
     m = std::max(m, score[i]);
   }
   float den = 0.0f;
+  for (size_t i = 0; i < slots.size(); ++i) {  // the weights first: exp calls back to back, den in slot order
+    score[i] = std::exp(score[i] - m);
+    den += score[i];
+  }
   if constexpr (HD > 0) {
     __m256 acc[NV];
     for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
-    for (size_t i = 0; i < slots.size(); ++i) {  // the weights first: exp calls back to back, den in slot order
-      score[i] = std::exp(score[i] - m);
-      den += score[i];
-    }
     for (size_t i = 0; i < slots.size(); ++i) {
       const __m256 ev = _mm256_set1_ps(score[i]);
       const uint16_t* v = vb + slots[i] * vd;  // vd may be odd (hd + 1): unaligned 16-byte loads of bf16
@@ -109,9 +109,7 @@ static void attend_one(const uint16_t* qrow, const uint16_t* kb, const uint16_t*
   } else {
     std::fill(num, num + hd, 0.0f);
     for (size_t i = 0; i < slots.size(); ++i) {
-      const float e = std::exp(score[i] - m);
-      den += e;
-      const __m256 ev = _mm256_set1_ps(e);
+      const __m256 ev = _mm256_set1_ps(score[i]);
       const uint16_t* v = vb + slots[i] * vd;
       for (int64_t d = 0; d < hd; d += 8)
         _mm256_storeu_ps(num + d, _mm256_fmadd_ps(ev, bf16x8(v + d), _mm256_loadu_ps(num + d)));

@@ -142,14 +142,10 @@ class Stack {
     x = x.reshape({M, H}).contiguous().clone();
     torch::Tensor feats = torch::empty({M, static_cast<int64_t>(taps.size()) * H}, x.options());
     torch::Tensor h = torch::empty({M, H}, x.options());
-    const int64_t nqkv = (nh_ + 2 * kvh_) * hd_;
     for (int64_t i = 0; i < nl; ++i) {
       const Layer& ly = layers_[i];
       const torch::Tensor& kc = keys[i];
       const torch::Tensor& vc = values[i];
-      TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.size(0) == B && kc.size(1) == kvh_ &&
-                      kc.size(3) == hd_ && vc.size(3) == hd_ + 1 && vc.size(2) == kc.size(2),
-                  "Stack.forward: cache layers must be contiguous [B, kvh, T, hd] / [B, kvh, T, hd + 1]");
       norm_rows(x, ly.ln_in, h);
       torch::Tensor qkv = ly.qkv(h);  // [M, (nh + 2 kvh) hd]
       torch::Tensor q = torch::empty({B, Q, nh_, hd_}, x.options());
@@ -179,16 +175,14 @@ class Stack {
     for (int64_t i = 0; i < nl; ++i) {
       const Layer& ly = layers_[i];
       TORCH_CHECK(!ly.kv.empty(), "Stack.context: the layers were added without their kv linears");
-      TORCH_CHECK(keys[i].is_contiguous() && values[i].is_contiguous() && keys[i].size(0) == B &&
-                      keys[i].size(1) == kvh_ && keys[i].size(3) == hd_ && values[i].size(3) == hd_ + 1,
-                  "Stack.context: cache layers must be contiguous [B, kvh, T, hd] / [B, kvh, T, hd + 1]");
       heads(ly.kv[0](x), ly, cos, sin, none, keys[i], values[i], slots, 0, R);
     }
   }
 
  private:
   // What `forward` and `context` check of their arguments, before any thread writes the cache: x bf16 [B, Q, H],
-  // one cache layer per layer, cos / sin [B, Q, hd], slots [B, Q] int64 inside the cache. `who` names the caller.
+  // one cache layer per layer, each contiguous [B, kvh, T, hd] / [B, kvh, T, hd + 1], cos / sin [B, Q, hd], slots
+  // [B, Q] int64 inside the cache. `who` names the caller.
   void check_rows(const char* who, const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                   const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
                   const torch::Tensor& slots) const {
@@ -196,6 +190,12 @@ class Stack {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && H % 32 == 0, who, ": x must be bf16 [B, Q, H]");
     TORCH_CHECK(static_cast<int64_t>(keys.size()) == nl && static_cast<int64_t>(values.size()) == nl, who,
                 ": one cache layer per layer");
+    for (int64_t i = 0; i < nl; ++i) {
+      const torch::Tensor &kc = keys[i], &vc = values[i];
+      TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.size(0) == B && kc.size(1) == kvh_ &&
+                      kc.size(3) == hd_ && vc.size(3) == hd_ + 1 && vc.size(2) == kc.size(2),
+                  who, ": cache layers must be contiguous [B, kvh, T, hd] / [B, kvh, T, hd + 1]");
+    }
     TORCH_CHECK(cos.sizes() == torch::IntArrayRef({B, Q, hd_}) && sin.sizes() == cos.sizes() &&
                     slots.sizes() == torch::IntArrayRef({B, Q}) && slots.scalar_type() == torch::kLong,
                 who, ": cos / sin [B, Q, hd] and slots [B, Q] int64");
