@@ -11,12 +11,13 @@ Writes long_step.json, long_step.md and long_step.png into --out.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from dflashkit.measurements import cpu_name, median_ms
 
 
 def measure(t, ctx: int, repeats: int) -> dict:
@@ -32,14 +33,7 @@ def measure(t, ctx: int, repeats: int) -> dict:
 
         def step():
             return t.logits(t.forward(ids[:, ctx:ctx + w], pos, cache, kv_len=ctx + w, taps=False)[0])
-        step()
-        runs = []
-        for _ in range(repeats):
-            a = time.perf_counter()
-            for _ in range(3):
-                step()
-            runs.append((time.perf_counter() - a) / 3 * 1000)
-        res[f"step{w}_ms"] = round(statistics.median(runs), 2)
+        res[f"step{w}_ms"] = round(median_ms(step, repeats), 2)
     return res
 
 
@@ -74,7 +68,6 @@ def plot(path: Path, res: dict) -> None:
 def main() -> int:
     from dflashkit.loader import load_target
     from dflashkit.bench.report import write_result
-    from dflashkit.measurements import cpu_name
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results/long-step")

@@ -17,37 +17,28 @@ Medians of `--repeats` timings. Writes roofline.json, roofline.md and roofline.p
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from dflashkit.measurements import cpu_name, median_ms
+
 WIDTHS, ROWS = [1, 2, 4, 8, 16, 32], [1, 2, 4, 8, 16]
 
 
-def timed(fn, repeats: int, inner: int = 3) -> float:
-    """ms per call: the median of `repeats` means of `inner` calls (after one warm-up call)."""
-    fn()
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        runs.append((time.perf_counter() - t0) / inner * 1000)
-    return statistics.median(runs)
 
 
 def machine(repeats: int) -> dict:
     """Streaming bandwidth (GB/s) and the peak GEMM rate (GFLOP/s) with torch's threads."""
     a = torch.ones(128 * 1024 * 1024)  # 512 MB
-    bw = a.numel() * 4 / timed(lambda: a.sum(), repeats) / 1e6
+    bw = a.numel() * 4 / median_ms(lambda: a.sum(), repeats) / 1e6
     del a
     rates = {}
     for dt in (torch.float32, torch.bfloat16):
         x, w = torch.randn(1024, 2048).to(dt), torch.randn(2048, 2048).to(dt)
-        rates[str(dt).split(".")[1]] = 2 * 1024 * 2048 * 2048 / timed(lambda: x @ w, repeats) / 1e6
+        rates[str(dt).split(".")[1]] = 2 * 1024 * 2048 * 2048 / median_ms(lambda: x @ w, repeats) / 1e6
     return {"bandwidth_gb_s": bw, "gemm_gflop_s": rates, "peak_gflop_s": max(rates.values())}
 
 
@@ -89,7 +80,7 @@ def target_steps(t, ctx: int, m: dict, repeats: int) -> dict:
             def step():
                 h, _ = t.forward(ids[:, ctx:ctx + w], pos, cache, kv_len=ctx + w, taps=False)
                 return t.logits(h)
-            ms = timed(step, repeats)
+            ms = median_ms(step, repeats)
             kv = rows * (ctx + w) * s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * 2
             flops = 2 * s["weight_elems"] * rows * w + 4 * rows * w * (ctx + w) * s["heads"] * s["head_dim"] * s["layers"]
             out[f"{rows}x{w}"] = roofline(ms, s["weight_bytes"] + kv, flops, m)
@@ -116,7 +107,7 @@ def drafter_steps(target, tok, ctx: int, m: dict, repeats: int, draft_vocab: int
         batch.add([eng.sequence(i, prompt, max_new_tokens=8) for i in range(rows)])
         view = DraftView(batch.anchor, batch.start, max(batch.starts), batch.seqs, batch.starts)
         prop.propose(batch.dstate, view)  # ingests the prompt's features once; later calls only draft
-        ms = timed(lambda: prop.propose(batch.dstate, view), repeats)
+        ms = median_ms(lambda: prop.propose(batch.dstate, view), repeats)
         bytes_ = params * 2 + nbytes(head) + rows * (ctx + B) * dc.num_hidden_layers * 2 * dc.num_key_value_heads * \
             dc.head_dim * 2
         flops = 2 * (params * B + head.shape[0] * head.shape[1] * (B - 1)) * rows + \
@@ -129,7 +120,6 @@ def main() -> int:
     from dflashkit.kernels import isa, set_isa
     from dflashkit.loader import load_target
     from dflashkit.bench.report import write_result
-    from dflashkit.measurements import cpu_name
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results/roofline")

@@ -8,6 +8,8 @@ import hashlib
 import json
 import os
 import platform
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -46,6 +48,18 @@ def cpu_name() -> str:
     flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
     units = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
     return f"{model} ({', '.join(units)})"
+
+
+def median_ms(fn, repeats: int, inner: int = 3) -> float:
+    """ms per call of `fn`: the median of `repeats` means of `inner` calls, after one warm-up call (benchmarks)."""
+    fn()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        runs.append((time.perf_counter() - t0) / inner * 1000)
+    return statistics.median(runs)
 
 
 def _table(file) -> dict:
