@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -31,12 +32,15 @@ using dflashkit::hsum8;
 // (slot -1: none). The head mask is scanned 32 bytes at a time (a bool is one byte, 0 or 1).
 static void visible_slots(const bool* hv, int64_t S, const int64_t* tv, int64_t L, std::vector<int64_t>& slots) {
   slots.clear();
+  slots.reserve(S + L);
   int64_t s = 0;
   for (; s + 32 <= S; s += 32) {
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hv + s));
     uint32_t bits = ~static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(b, _mm256_setzero_si256())));
     if (bits == 0xffffffffu) {  // the common case: 32 committed keys in a row
-      for (int64_t j = 0; j < 32; ++j) slots.push_back(s + j);
+      const size_t n = slots.size();
+      slots.resize(n + 32);
+      for (int64_t j = 0; j < 32; ++j) slots[n + j] = s + j;
       continue;
     }
     for (; bits; bits &= bits - 1) slots.push_back(s + __builtin_ctz(bits));
@@ -47,76 +51,356 @@ static void visible_slots(const bool* hv, int64_t S, const int64_t* tv, int64_t 
     if (tv[j] >= 0) slots.push_back(tv[j]);
 }
 
-// One (query, head): o[HD] = softmax(q . k_s * sc) . v_s over `slots`, in the order the header states. HD: the head
-// dim where the caller knows it (the compiler keeps q and the running sums in registers), or 0 (any multiple of 8).
-// Why per lane and not wider vectors: a score is an 8-lane accumulator with a fixed horizontal sum (its bits); the
-// value sums are per element, so each lane's fma sequence is the same whatever the vector width.
-template <int HD>
-static void attend_one(const uint16_t* qrow, const uint16_t* kb, const uint16_t* vb, int64_t vd, int64_t hd_rt,
-                       const std::vector<int64_t>& slots, float sc, std::vector<float>& score, float* num,
-                       uint16_t* out) {
-  const int64_t hd = HD > 0 ? HD : hd_rt, nv = hd / 8;
-  constexpr int NV = HD > 0 ? HD / 8 : 1;
-  __m256 qv[HD > 0 ? NV : 1];
-  if constexpr (HD > 0)
+namespace {
+
+// The keys of one kv head are read once for all the (query, head) pairs that attend to them: a UNIT is one batch
+// row's block of up to kQueryBlock consecutive queries times some of the g query heads of one kv head, its CHAINS
+// (c = query * nhq + head). The queries' slot lists agree on a first stretch (`common`: a verify block's queries all
+// see the committed keys; a later query also sees the keys just before it), whose keys and values are widened to
+// fp32 (exact) once per chunk and used by every chain. Each chain still computes exactly the header's sums in their
+// order: a score is its own fma chain whatever key or chain runs beside it, and a value sum is per element, over
+// the chain's slots ascending. So every layout below gives the same bits (tests/test_attention.py).
+constexpr int64_t kQueryBlock = 8;
+constexpr int64_t kSlotChunk = 256;    // a phased call's key range per work item
+constexpr int64_t kWideKeys = 8192;    // floats of widened keys at a time (32 KB, in L1)
+constexpr int64_t kRows = 64;          // value rows widened at a time, 16 columns of each
+
+struct Unit {
+  int64_t b, kv, q0, nq;  // batch row, kv head, first query, query count
+  int64_t h0, nhq;        // the query heads h0 .. h0 + nhq of the kv head's g
+  int64_t common;         // slots [0, common) of every query's list are the same
+  int64_t longest;        // the longest slot list among the unit's queries
+  int64_t first_chain;    // this unit's chains are rows first_chain.. of the phased score buffer
+};
+
+struct Call {
+  const uint16_t *q, *k, *v;
+  uint16_t* o;
+  int64_t Q, nh, hd, kvh, T, vd, g;
+  float sc;
+  const std::vector<std::vector<int64_t>>* slots;  // [B * Q]: each query's visible slots in summing order
+
+  int64_t chains(const Unit& u) const { return u.nq * u.nhq; }
+  const std::vector<int64_t>& slots_of(const Unit& u, int64_t c) const {
+    return (*slots)[u.b * Q + u.q0 + c / u.nhq];
+  }
+  int64_t row(const Unit& u, int64_t c) const {  // the chain's (query, head) row of q and o
+    return (u.b * Q + u.q0 + c / u.nhq) * nh + u.kv * g + u.h0 + c % u.nhq;
+  }
+  const uint16_t* keys(const Unit& u) const { return k + (u.b * kvh + u.kv) * T * hd; }
+  const uint16_t* values(const Unit& u) const { return v + (u.b * kvh + u.kv) * T * vd; }
+};
+
+inline __m256 load8(const uint16_t* p) { return bf16x8(p); }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+// score[i] = dot(q, key row i) * sc for i in [i0, i1): an 8-lane fma chain over the head dim, then `hsum8`; the same
+// bits whether the key is read as bf16 or as its exact fp32 widening. row(i): the key's first element. HD: the head
+// dim where the caller knows it (q stays in registers; four keys' chains run side by side), or 0.
+template <int HD, typename Row>
+void score_rows(const uint16_t* qrow, int64_t hd_rt, Row row, int64_t i0, int64_t i1, float sc, float* score) {
+  const int64_t hd = HD > 0 ? HD : hd_rt;
+  int64_t i = i0;
+  if constexpr (HD > 0) {
+    constexpr int NV = HD / 8;
+    __m256 qv[NV];
     for (int j = 0; j < NV; ++j) qv[j] = bf16x8(qrow + 8 * j);
-  score.resize(slots.size());
-  float m = -std::numeric_limits<float>::infinity();
-  size_t i = 0;
-  if constexpr (HD > 0) {  // four keys at a time: four independent fma chains instead of one (same chains, bits)
-    for (; i + 4 <= slots.size(); i += 4) {
-      const uint16_t* k0 = kb + slots[i] * HD;
-      const uint16_t* k1 = kb + slots[i + 1] * HD;
-      const uint16_t* k2 = kb + slots[i + 2] * HD;
-      const uint16_t* k3 = kb + slots[i + 3] * HD;
+    for (; i + 4 <= i1; i += 4) {
+      const auto *k0 = row(i), *k1 = row(i + 1), *k2 = row(i + 2), *k3 = row(i + 3);
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int j = 0; j < NV; ++j) {
-        a0 = _mm256_fmadd_ps(qv[j], bf16x8(k0 + 8 * j), a0);
-        a1 = _mm256_fmadd_ps(qv[j], bf16x8(k1 + 8 * j), a1);
-        a2 = _mm256_fmadd_ps(qv[j], bf16x8(k2 + 8 * j), a2);
-        a3 = _mm256_fmadd_ps(qv[j], bf16x8(k3 + 8 * j), a3);
+        a0 = _mm256_fmadd_ps(qv[j], load8(k0 + 8 * j), a0);
+        a1 = _mm256_fmadd_ps(qv[j], load8(k1 + 8 * j), a1);
+        a2 = _mm256_fmadd_ps(qv[j], load8(k2 + 8 * j), a2);
+        a3 = _mm256_fmadd_ps(qv[j], load8(k3 + 8 * j), a3);
       }
       score[i] = hsum8(a0) * sc, score[i + 1] = hsum8(a1) * sc;
       score[i + 2] = hsum8(a2) * sc, score[i + 3] = hsum8(a3) * sc;
-      m = std::max(std::max(m, std::max(score[i], score[i + 1])), std::max(score[i + 2], score[i + 3]));
     }
   }
-  for (; i < slots.size(); ++i) {
-    const uint16_t* k = kb + slots[i] * hd;
+  for (; i < i1; ++i) {
+    const auto* kr = row(i);
     __m256 acc = _mm256_setzero_ps();
-    if constexpr (HD > 0) {
-      for (int j = 0; j < NV; ++j) acc = _mm256_fmadd_ps(qv[j], bf16x8(k + 8 * j), acc);
-    } else {
-      for (int64_t j = 0; j < nv; ++j) acc = _mm256_fmadd_ps(bf16x8(qrow + 8 * j), bf16x8(k + 8 * j), acc);
-    }
+    for (int64_t j = 0; j < hd / 8; ++j) acc = _mm256_fmadd_ps(bf16x8(qrow + 8 * j), load8(kr + 8 * j), acc);
     score[i] = hsum8(acc) * sc;
-    m = std::max(m, score[i]);
   }
+}
+
+// rows[n][width] fp32 = the bf16 rows src + slots[i] * ld + d0 .. + width, widened (exact). The next n rows (up to
+// `ahead` of them) are prefetched meanwhile: the hardware's prefetcher stops at each 4 KB page of the cache.
+void widen(const uint16_t* src, int64_t ld, const int64_t* slots, int64_t n, int64_t ahead, int64_t d0, int64_t width,
+           float* rows) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (i < ahead) {
+      const char* p = reinterpret_cast<const char*>(src + slots[n + i] * ld + d0);
+      for (int64_t b = 0; b < width * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+      _mm_prefetch(p + width * 2 - 1, _MM_HINT_T0);
+    }
+    for (int64_t d = 0; d < width; d += 8) _mm256_storeu_ps(rows + i * width + d, bf16x8(src + slots[i] * ld + d0 + d));
+  }
+}
+
+// The unit's scores for slot indices [i0, i1). The shared keys (below `common`) are widened to fp32 32 KB at a time,
+// once for all chains; each chain's own keys are read as bf16. score: [chains, stride].
+template <int HD>
+void unit_scores(const Call& x, const Unit& u, int64_t i0, int64_t i1, float* score, int64_t stride) {
+  const uint16_t* kb = x.keys(u);
+  const int64_t hd = x.hd, step = std::max<int64_t>(1, kWideKeys / hd);
+  float kf[kWideKeys];
+  for (int64_t s0 = i0; s0 < std::min(i1, u.common); s0 += step) {
+    const int64_t e = std::min({s0 + step, i1, u.common});
+    widen(kb, hd, x.slots_of(u, 0).data() + s0, e - s0, std::min(step, u.common - e), 0, hd, kf);
+    const float* base = kf - s0 * hd;  // row(i) for i in [s0, e)
+    for (int64_t c = 0; c < x.chains(u); ++c)
+      score_rows<HD>(x.q + x.row(u, c) * hd, hd, [&](int64_t i) { return base + i * hd; }, s0, e, x.sc,
+                     score + c * stride);
+  }
+  for (int64_t c = 0; c < x.chains(u); ++c) {
+    const int64_t* sl = x.slots_of(u, c).data();
+    const int64_t e = std::min(i1, static_cast<int64_t>(x.slots_of(u, c).size()));
+    const auto row = [&](int64_t i) { return kb + sl[i] * (HD > 0 ? HD : hd); };
+    score_rows<HD>(x.q + x.row(u, c) * hd, hd, row, std::max(i0, u.common), e, x.sc, score + c * stride);
+  }
+}
+
+// One chain's softmax weights in place: exp(score - max), their sum (den) in slot order.
+float softmax_weights(float* score, int64_t n) {
+  __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());  // the max, 8 lanes at a time (any order)
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(score + i));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, mv);
+  float m = lanes[0];
+  for (int j = 1; j < 8; ++j) m = std::max(m, lanes[j]);
+  for (; i < n; ++i) m = std::max(m, score[i]);
   float den = 0.0f;
-  for (size_t i = 0; i < slots.size(); ++i) {  // the weights first: exp calls back to back, den in slot order
+  for (i = 0; i < n; ++i) {
     score[i] = std::exp(score[i] - m);
     den += score[i];
   }
+  return den;
+}
+
+// num[c][d .. d + 8W) += sum over rows [0, n) of w[c][s0 + i] * vf[i], for NB chains from c0: each widened value row
+// is loaded once for the NB chains; every element is its own fma chain over the slots ascending (the header's order).
+template <int NB, int W>
+void shared_values(const float* vf, int64_t n, int64_t c0, int64_t s0, const float* w, int64_t stride, float* num,
+                   int64_t hd, int64_t d) {
+  __m256 acc[NB][W];
+  for (int c = 0; c < NB; ++c)
+    for (int j = 0; j < W; ++j) acc[c][j] = _mm256_loadu_ps(num + (c0 + c) * hd + d + 8 * j);
+  for (int64_t i = 0; i < n; ++i) {
+    __m256 vv[W];
+    for (int j = 0; j < W; ++j) vv[j] = _mm256_loadu_ps(vf + i * 8 * W + 8 * j);
+    for (int c = 0; c < NB; ++c) {
+      const __m256 ev = _mm256_set1_ps(w[(c0 + c) * stride + s0 + i]);
+      for (int j = 0; j < W; ++j) acc[c][j] = _mm256_fmadd_ps(ev, vv[j], acc[c][j]);
+    }
+  }
+  for (int c = 0; c < NB; ++c)
+    for (int j = 0; j < W; ++j) _mm256_storeu_ps(num + (c0 + c) * hd + d + 8 * j, acc[c][j]);
+}
+
+template <int W>
+void shared_values_chains(const float* vf, int64_t n, int64_t c0, int64_t nb, int64_t s0, const float* w,
+                          int64_t stride, float* num, int64_t hd, int64_t d) {
+  switch (nb) {
+    case 1: return shared_values<1, W>(vf, n, c0, s0, w, stride, num, hd, d);
+    case 2: return shared_values<2, W>(vf, n, c0, s0, w, stride, num, hd, d);
+    case 3: return shared_values<3, W>(vf, n, c0, s0, w, stride, num, hd, d);
+    default: return shared_values<4, W>(vf, n, c0, s0, w, stride, num, hd, d);
+  }
+}
+
+// num[0 .. D) += sum over i in [i0, i1) of w[i] * v row slots[i] (from vb), one chain's own slots; for D = HD > 0 the
+// sums stay in registers.
+template <int HD>
+void own_values(const uint16_t* vb, int64_t vd, const int64_t* slots, int64_t i0, int64_t i1, const float* w,
+                float* num, int64_t D = HD) {
   if constexpr (HD > 0) {
+    constexpr int NV = HD / 8;
     __m256 acc[NV];
-    for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
-    for (size_t i = 0; i < slots.size(); ++i) {
-      const __m256 ev = _mm256_set1_ps(score[i]);
-      const uint16_t* v = vb + slots[i] * vd;  // vd may be odd (hd + 1): unaligned 16-byte loads of bf16
-      for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(ev, bf16x8(v + 8 * j), acc[j]);
+    for (int j = 0; j < NV; ++j) acc[j] = _mm256_loadu_ps(num + 8 * j);
+    for (int64_t i = i0; i < i1; ++i) {
+      const __m256 ev = _mm256_set1_ps(w[i]);
+      const uint16_t* vr = vb + slots[i] * vd;  // vd may be odd (hd + 1): unaligned 16-byte loads of bf16
+      for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(ev, bf16x8(vr + 8 * j), acc[j]);
     }
     for (int j = 0; j < NV; ++j) _mm256_storeu_ps(num + 8 * j, acc[j]);
   } else {
-    std::fill(num, num + hd, 0.0f);
-    for (size_t i = 0; i < slots.size(); ++i) {
-      const __m256 ev = _mm256_set1_ps(score[i]);
-      const uint16_t* v = vb + slots[i] * vd;
-      for (int64_t d = 0; d < hd; d += 8)
-        _mm256_storeu_ps(num + d, _mm256_fmadd_ps(ev, bf16x8(v + d), _mm256_loadu_ps(num + d)));
+    for (int64_t i = i0; i < i1; ++i) {
+      const __m256 ev = _mm256_set1_ps(w[i]);
+      const uint16_t* vr = vb + slots[i] * vd;
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(num + d, _mm256_fmadd_ps(ev, bf16x8(vr + d), _mm256_loadu_ps(num + d)));
     }
   }
-  for (int64_t d = 0; d < hd; ++d) out[d] = bf16_round(num[d] / den);
 }
+
+// The unit's outputs for head-dim elements [d0, d1) (multiples of 8): the shared slots for all chains (their value
+// columns widened kRows x 16 at a time, 4 chains at a time), then each chain's own slots continue its sums, then
+// o = num / den rounded to bf16. w: the weights [chains, stride]; den [chains]; num: [chains, hd] scratch.
+template <int HD>
+void unit_values(const Call& x, const Unit& u, int64_t d0, int64_t d1, const float* w, int64_t stride,
+                 const float* den, float* num) {
+  const int64_t C = x.chains(u), hd = x.hd;
+  const uint16_t* vb = x.values(u);
+  const int64_t* shared = x.slots_of(u, 0).data();
+  float vf[kRows * 16];
+  for (int64_t c = 0; c < C; ++c) std::fill(num + c * hd + d0, num + c * hd + d1, 0.0f);
+  for (int64_t s0 = 0; s0 < u.common; s0 += kRows) {
+    const int64_t n = std::min(kRows, u.common - s0);
+    for (int64_t d = d0; d < d1; d += 16) {
+      const int64_t width = std::min<int64_t>(16, d1 - d);  // vd may be odd (hd + 1): unaligned rows
+      widen(vb, x.vd, shared + s0, n, std::min(kRows, u.common - s0 - n), d, width, vf);
+      for (int64_t c0 = 0; c0 < C; c0 += 4) {
+        if (width == 16)
+          shared_values_chains<2>(vf, n, c0, std::min<int64_t>(4, C - c0), s0, w, stride, num, hd, d);
+        else
+          shared_values_chains<1>(vf, n, c0, std::min<int64_t>(4, C - c0), s0, w, stride, num, hd, d);
+      }
+    }
+  }
+  for (int64_t c = 0; c < C; ++c) {
+    const std::vector<int64_t>& sl = x.slots_of(u, c);
+    float* nc = num + c * hd;
+    if (HD > 0 && d0 == 0 && d1 == HD)
+      own_values<HD>(vb, x.vd, sl.data(), u.common, sl.size(), w + c * stride, nc);
+    else
+      own_values<0>(vb + d0, x.vd, sl.data(), u.common, sl.size(), w + c * stride, nc + d0, d1 - d0);
+    uint16_t* out = x.o + x.row(u, c) * hd;
+    for (int64_t d = d0; d < d1; ++d) out[d] = bf16_round(nc[d] / den[c]);
+  }
+}
+
+void unit_values_any(const Call& x, const Unit& u, int64_t d0, int64_t d1, const float* w, int64_t stride,
+                     const float* den, float* num) {
+  if (x.hd == 64)
+    unit_values<64>(x, u, d0, d1, w, stride, den, num);
+  else if (x.hd == 128)
+    unit_values<128>(x, u, d0, d1, w, stride, den, num);
+  else
+    unit_values<0>(x, u, d0, d1, w, stride, den, num);
+}
+
+void unit_scores_any(const Call& x, const Unit& u, int64_t i0, int64_t i1, float* score, int64_t stride) {
+  if (x.hd == 64)
+    unit_scores<64>(x, u, i0, i1, score, stride);
+  else if (x.hd == 128)
+    unit_scores<128>(x, u, i0, i1, score, stride);
+  else
+    unit_scores<0>(x, u, i0, i1, score, stride);
+}
+
+// Where sharing pays (2 threads, bench/attention.py): widening the shared keys and values to fp32 once for a
+// unit's chains costs more than it saves while they sit in L1/L2 (lists under ~2k slots, ~1.5k where 8 queries share
+// them); phasing a unit over the threads costs two more fork/joins, paid back only by longer lists.
+constexpr int64_t kShareSlots = 2048;
+constexpr int64_t kShareSlotsBlock = 1536;  // ... or this many, for full blocks of queries (a prefill chunk)
+constexpr int64_t kPhasedSlots = 3072;
+
+// A call of few units (one batch row) and long slot lists: each phase is spread over the threads.
+bool phased(const std::vector<Unit>& units) {
+  int64_t longest = 0;
+  for (const Unit& u : units) longest = std::max(longest, u.longest);
+  return static_cast<int64_t>(units.size()) < 2 * at::get_num_threads() && longest >= kPhasedSlots;
+}
+
+// The units of a call: per batch row, blocks of kQueryBlock queries, times the kv heads.
+std::vector<Unit> make_units(const Call& x, int64_t B) {
+  std::vector<Unit> units;
+  units.reserve(B * ((x.Q + kQueryBlock - 1) / kQueryBlock) * x.kvh);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t q0 = 0; q0 < x.Q; q0 += kQueryBlock) {
+      const int64_t nq = std::min(kQueryBlock, x.Q - q0);
+      const std::vector<int64_t>& first = (*x.slots)[b * x.Q + q0];
+      int64_t common = static_cast<int64_t>(first.size()), most = 0;
+      for (int64_t j = 0; j < nq; ++j) {
+        const std::vector<int64_t>& s = (*x.slots)[b * x.Q + q0 + j];
+        most = std::max(most, static_cast<int64_t>(s.size()));
+        common = std::mismatch(first.begin(), first.begin() + std::min<int64_t>(common, s.size()), s.begin()).first -
+                 first.begin();
+      }
+      for (int64_t kv = 0; kv < x.kvh; ++kv) units.push_back({b, kv, q0, nq, 0, x.g, common, most, 0});
+    }
+  return units;
+}
+
+// Few units (a one-token or verify step of one row) with long slot lists: each phase is spread over the threads
+// (scores by key chunk, softmax by chain, values by 16 head-dim elements), at the cost of two more fork/joins.
+void run_phased(const Call& x, std::vector<Unit>& units) {
+  int64_t rows = 0, stride = 0;
+  for (Unit& u : units) u.first_chain = rows, rows += x.chains(u), stride = std::max(stride, u.longest);
+  std::vector<float> w(rows * stride), den(rows), num(rows * x.hd);
+  const int64_t chunks = (stride + kSlotChunk - 1) / kSlotChunk, dblocks = (x.hd + 15) / 16;
+  at::parallel_for(0, static_cast<int64_t>(units.size()) * chunks, 1, [&](int64_t a, int64_t e) {
+    for (int64_t it = a; it < e; ++it) {
+      const Unit& u = units[it / chunks];
+      const int64_t s0 = (it % chunks) * kSlotChunk;
+      unit_scores_any(x, u, s0, std::min(s0 + kSlotChunk, u.longest), w.data() + u.first_chain * stride, stride);
+    }
+  });
+  std::vector<const Unit*> unit_of(rows);
+  for (const Unit& u : units)
+    for (int64_t c = 0; c < x.chains(u); ++c) unit_of[u.first_chain + c] = &u;
+  at::parallel_for(0, rows, 1, [&](int64_t a, int64_t e) {
+    for (int64_t r = a; r < e; ++r) {
+      const Unit& u = *unit_of[r];
+      den[r] = softmax_weights(w.data() + r * stride, x.slots_of(u, r - u.first_chain).size());
+    }
+  });
+  at::parallel_for(0, static_cast<int64_t>(units.size()) * dblocks, 1, [&](int64_t a, int64_t e) {
+    for (int64_t it = a; it < e; ++it) {
+      const Unit& u = units[it / dblocks];
+      const int64_t d0 = (it % dblocks) * 16, f = u.first_chain;
+      unit_values_any(x, u, d0, std::min(d0 + 16, x.hd), w.data() + f * stride, stride, den.data() + f,
+                      num.data() + f * x.hd);
+    }
+  });
+}
+
+// Many units: each is one thread's work, start to end.
+void run_units(const Call& x, const std::vector<Unit>& units) {
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t a, int64_t e) {
+    std::vector<float> w, den, num;
+    for (int64_t it = a; it < e; ++it) {
+      const Unit& u = units[it];
+      const int64_t C = x.chains(u), stride = u.longest;
+      w.resize(C * stride), den.resize(C), num.resize(C * x.hd);
+      unit_scores_any(x, u, 0, u.longest, w.data(), stride);
+      for (int64_t c = 0; c < C; ++c) den[c] = softmax_weights(w.data() + c * stride, x.slots_of(u, c).size());
+      unit_values_any(x, u, 0, x.hd, w.data(), stride, den.data(), num.data());
+    }
+  });
+}
+
+// Short lists: one unit per (query, head), as many work items as heads. Each thread lists the visible slots of the
+// queries it serves itself (kept while consecutive items share a query), in its own cache.
+void run_split(const Call& shared, int64_t B, const bool* hp, int64_t S, const int64_t* tp, int64_t L) {
+  at::parallel_for(0, B * shared.Q * shared.nh, 1, [&](int64_t a, int64_t e) {
+    std::vector<std::vector<int64_t>> lists(B * shared.Q);
+    Call x = shared;
+    x.slots = &lists;
+    std::vector<float> w, num(x.hd);
+    int64_t listed = -1;
+    for (int64_t it = a; it < e; ++it) {
+      const int64_t r = it / x.nh, h = it % x.nh;  // r = b * Q + query
+      if (r != listed) {  // one list buffer per thread, moved to the query it now holds
+        if (listed >= 0) lists[r].swap(lists[listed]);
+        visible_slots(hp + r * S, S, tp + r * L, L, lists[r]);
+        listed = r;
+      }
+      const int64_t n = static_cast<int64_t>(lists[r].size());
+      const Unit u{r / x.Q, h / x.g, r % x.Q, 1, h % x.g, 1, 0, n, 0};
+      w.resize(n);
+      unit_scores_any(x, u, 0, n, w.data(), n);
+      const float den = softmax_weights(w.data(), n);
+      unit_values_any(x, u, 0, x.hd, w.data(), n, &den, num.data());
+    }
+  });
+}
+
+}  // namespace
 
 // q [B, Q, nh, hd] bf16; keys [B, kvh, T, hd] bf16; values [B, kvh, T, vd >= hd] bf16 (the first hd columns are
 // used); head [B, Q, S] bool (S <= T: key slot s is in this query's head part); tail [B, Q, L] int64 (the slot of
@@ -138,33 +422,25 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
   head = head.contiguous();
   tail = tail.contiguous();
   torch::Tensor o = torch::empty({B, Q, nh * hd}, q.options());
-  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
-  const uint16_t* kp = reinterpret_cast<const uint16_t*>(keys.data_ptr());
-  const uint16_t* vp = reinterpret_cast<const uint16_t*>(values.data_ptr());
   const bool* hp = head.data_ptr<bool>();
   const int64_t* tp = tail.data_ptr<int64_t>();
-  uint16_t* op = reinterpret_cast<uint16_t*>(o.data_ptr());
-  const int64_t g = nh / kvh;
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * Q * nh, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<int64_t> slots;  // the visible keys of one query, in the order they are summed
-    std::vector<float> score, num(hd);
-    int64_t slots_of = -1;  // the (batch row, query) `slots` belongs to: its heads share it
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t b = w / (Q * nh), qi = (w / nh) % Q, h = w % nh, kv = h / g;
-      if (slots_of != b * Q + qi) {
-        visible_slots(hp + (b * Q + qi) * S, S, tp + (b * Q + qi) * L, L, slots);
-        slots_of = b * Q + qi;
-      }
-      const uint16_t* kb = kp + (b * kvh + kv) * T * hd;
-      const uint16_t* vb = vp + (b * kvh + kv) * T * vd;
-      if (hd == 64)
-        attend_one<64>(qp + w * hd, kb, vb, vd, hd, slots, sc, score, num.data(), op + w * hd);
-      else if (hd == 128)
-        attend_one<128>(qp + w * hd, kb, vb, vd, hd, slots, sc, score, num.data(), op + w * hd);
-      else
-        attend_one<0>(qp + w * hd, kb, vb, vd, hd, slots, sc, score, num.data(), op + w * hd);
-    }
+  std::vector<std::vector<int64_t>> slots(B * Q);
+  Call x{reinterpret_cast<const uint16_t*>(q.data_ptr()), reinterpret_cast<const uint16_t*>(keys.data_ptr()),
+         reinterpret_cast<const uint16_t*>(values.data_ptr()), reinterpret_cast<uint16_t*>(o.data_ptr()),
+         Q, nh, hd, kvh, T, vd, nh / kvh, static_cast<float>(scale), &slots};
+  const int64_t units = B * ((Q + kQueryBlock - 1) / kQueryBlock) * kvh;
+  const bool share = S + L >= kShareSlots || (Q >= kQueryBlock && S + L >= kShareSlotsBlock);
+  if (!share || (units < 2 * at::get_num_threads() && S + L < kPhasedSlots)) {
+    run_split(x, B, hp, S, tp, L);
+    return o;
+  }
+  at::parallel_for(0, B * Q, 16, [&](int64_t a, int64_t e) {  // a one-row step lists its few queries inline
+    for (int64_t r = a; r < e; ++r) visible_slots(hp + r * S, S, tp + r * L, L, slots[r]);
   });
+  std::vector<Unit> shared = make_units(x, B);
+  if (phased(shared))
+    run_phased(x, shared);
+  else
+    run_units(x, shared);
   return o;
 }

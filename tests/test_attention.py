@@ -1,0 +1,80 @@
+"""The fused attention kernel (kernels/attention.cpp): the softmax attention it states, and a query's output bits
+independent of what else shares the call. The kernel lays its work out in three ways (a unit per query head; units
+that load a kv head's keys once for several queries and heads; those units split over the threads by phase), chosen
+by list length, batch rows and threads: the bits must not depend on which one ran."""
+
+import pytest
+import torch
+
+from dflashkit.kernels import attend, available, why_unavailable
+
+pytestmark = pytest.mark.skipif(not available(), reason=f"kernels unavailable: {why_unavailable()}")
+
+TAIL_DEPTH = 4
+
+
+def _case(B: int, Q: int, nh: int, kvh: int, hd: int, S: int, L: int = 5, seed: int = 0):
+    """Inputs as the lean target builds them for Q new tokens after S - Q committed ones: each query's head part is
+    the slots before its position - TAIL_DEPTH, its tail the next L positions (some left out); odd batch rows have
+    holes in their head part (a tree's rejected slots)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Q, nh, hd, generator=g).bfloat16()
+    k = torch.randn(B, kvh, S + 8, hd, generator=g).bfloat16()
+    v = torch.randn(B, kvh, S + 8, hd + 1, generator=g).bfloat16()  # the cache's value rows carry one extra column
+    head = torch.zeros(B, Q, S, dtype=torch.bool)
+    tail = torch.full((B, Q, L), -1, dtype=torch.long)
+    for b in range(B):
+        holes = torch.randperm(S, generator=g)[: S // 7]
+        for j in range(Q):
+            split = max(S - Q + j - TAIL_DEPTH, 0)
+            head[b, j, :split] = True
+            if b % 2:
+                head[b, j, holes] = False
+            for t in range(L):
+                if split + t <= S - Q + j and (t + j) % 3:
+                    tail[b, j, t] = split + t
+    return q, k, v, head, tail, hd**-0.5
+
+
+def _reference(q, k, v, head, tail, scale):
+    """float64 softmax attention over each query's visible slots (its head part and its tail)."""
+    B, Q, nh, hd = q.shape
+    kvh, T = k.shape[1], k.shape[2]
+    vis = torch.zeros(B, Q, T, dtype=torch.bool)
+    vis[..., : head.shape[2]] = head
+    bb, qq, jj = torch.nonzero(tail >= 0, as_tuple=True)
+    vis[bb, qq, tail[bb, qq, jj]] = True
+    kk = k.double().repeat_interleave(nh // kvh, dim=1)  # [B, nh, T, hd]
+    vv = v[..., :hd].double().repeat_interleave(nh // kvh, dim=1)
+    s = torch.einsum("bqhd,bhtd->bqht", q.double(), kk) * scale
+    s = s.masked_fill(~vis[:, :, None, :], float("-inf"))
+    return torch.einsum("bqht,bhtd->bqhd", torch.softmax(s, dim=-1), vv).reshape(B, Q, nh * hd)
+
+
+@pytest.mark.parametrize("B,Q,nh,kvh,hd,S", [(1, 1, 9, 3, 64, 300), (1, 4, 9, 3, 64, 2500), (2, 3, 9, 3, 64, 3500),
+                                             (1, 1, 4, 2, 128, 3200), (3, 9, 6, 2, 16, 2100)])
+def test_attend_computes_softmax_attention(B, Q, nh, kvh, hd, S):
+    args = _case(B, Q, nh, kvh, hd, S)
+    torch.testing.assert_close(attend(*args).double(), _reference(*args), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("S,hd", [(1700, 64), (2300, 64), (3300, 64), (3300, 128), (3100, 24)])
+def test_a_querys_bits_do_not_depend_on_what_shares_the_call(S, hd):
+    q, k, v, head, tail, scale = _case(2, 9, 6, 2, hd, S, seed=S)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in sorted({1, 2, threads}):
+            torch.set_num_threads(n)
+            outs.append(attend(q, k, v, head, tail, scale))  # 2 rows x 9 queries: units shared by query blocks
+            for b in range(2):
+                row = attend(q[b:b + 1], k[b:b + 1], v[b:b + 1], head[b:b + 1], tail[b:b + 1], scale)
+                assert torch.equal(row.view(torch.int16), outs[0][b:b + 1].view(torch.int16))
+                for j in (0, 4, 8):  # one query alone: few units (per head, or phased over the threads)
+                    one = attend(q[b:b + 1, j:j + 1], k[b:b + 1], v[b:b + 1], head[b:b + 1, j:j + 1],
+                                 tail[b:b + 1, j:j + 1], scale)
+                    assert torch.equal(one.view(torch.int16), outs[0][b:b + 1, j:j + 1].view(torch.int16))
+        for o in outs[1:]:
+            assert torch.equal(o.view(torch.int16), outs[0].view(torch.int16))
+    finally:
+        torch.set_num_threads(threads)
