@@ -55,9 +55,7 @@ def report(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(path, res: dict) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
+def plot(res: dict):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -67,9 +65,7 @@ def plot(path, res: dict) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("ms per layer")
     ax.set_xlabel("context / new tokens / batch rows")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def main() -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -47,9 +46,7 @@ def report(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(path: Path, res: dict) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
+def plot(res: dict):
     import matplotlib.pyplot as plt
 
     ctxs = list(res["contexts"])
@@ -60,9 +57,7 @@ def plot(path: Path, res: dict) -> None:
     ax.set_ylabel("ms per step")
     ax.legend()
     ax.set_title("target step at long context")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def main() -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -173,10 +172,7 @@ def report(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(path: Path, res: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot(res: dict):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
@@ -189,8 +185,7 @@ def plot(path: Path, res: dict) -> None:
     ax[1].set(xscale="log", yscale="log", xlabel="new tokens per row", ylabel="x a one-token step at one row",
               title="target step cost")
     ax[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 if __name__ == "__main__":

@@ -281,10 +281,18 @@ def write_report(report: dict, out_dir: str | Path) -> dict:
 
 
 def write_result(out_dir: str | Path, stem: str, res: dict, text: str, plot) -> None:
-    """A bench script's result in `out_dir` (created): `res` as STEM.json, `text` as STEM.md, and `plot(path, res)`
-    drawing STEM.png."""
+    """A bench script's result in `out_dir` (created): `res` as STEM.json, `text` as STEM.md, and the matplotlib
+    figure `plot(res)` returns as STEM.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
     (out / f"{stem}.md").write_text(text)
-    plot(out / f"{stem}.png", res)
+    fig = plot(res)
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}.png", dpi=100)
+    plt.close(fig)
