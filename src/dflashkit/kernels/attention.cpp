@@ -140,21 +140,30 @@ void widen(const uint16_t* src, int64_t ld, const int64_t* slots, int64_t n, int
   }
 }
 
-// The unit's scores for slot indices [i0, i1). The shared keys (below `common`) are widened to fp32 32 KB at a time,
-// once for all chains; each chain's own keys are read as bf16. score: [chains, stride].
+// The unit's scores for the shared slot indices [i0, i1) (below `common`): the keys widened to fp32 32 KB at a time,
+// once for all chains. Its own function: the per-(query, head) layout, which shares nothing, reserves no buffer.
 template <int HD>
-void unit_scores(const Call& x, const Unit& u, int64_t i0, int64_t i1, float* score, int64_t stride) {
+__attribute__((noinline)) void shared_scores(const Call& x, const Unit& u, int64_t i0, int64_t i1, float* score,
+                                             int64_t stride) {
   const uint16_t* kb = x.keys(u);
   const int64_t hd = x.hd, step = std::max<int64_t>(1, kWideKeys / hd);
   float kf[kWideKeys];
-  for (int64_t s0 = i0; s0 < std::min(i1, u.common); s0 += step) {
-    const int64_t e = std::min({s0 + step, i1, u.common});
+  for (int64_t s0 = i0; s0 < i1; s0 += step) {
+    const int64_t e = std::min(s0 + step, i1);
     widen(kb, hd, x.slots_of(u, 0).data() + s0, e - s0, std::min(step, u.common - e), 0, hd, kf);
     const float* base = kf - s0 * hd;  // row(i) for i in [s0, e)
     for (int64_t c = 0; c < x.chains(u); ++c)
       score_rows<HD>(x.q + x.row(u, c) * hd, hd, [&](int64_t i) { return base + i * hd; }, s0, e, x.sc,
                      score + c * stride);
   }
+}
+
+// The unit's scores for slot indices [i0, i1): the shared keys, then each chain's own keys as bf16. score [C, stride].
+template <int HD>
+void unit_scores(const Call& x, const Unit& u, int64_t i0, int64_t i1, float* score, int64_t stride) {
+  if (i0 < std::min(i1, u.common)) shared_scores<HD>(x, u, i0, std::min(i1, u.common), score, stride);
+  const uint16_t* kb = x.keys(u);
+  const int64_t hd = x.hd;
   for (int64_t c = 0; c < x.chains(u); ++c) {
     const int64_t* sl = x.slots_of(u, c).data();
     const int64_t e = std::min(i1, static_cast<int64_t>(x.slots_of(u, c).size()));
@@ -273,23 +282,18 @@ void unit_values(const Call& x, const Unit& u, int64_t d0, int64_t d1, const flo
   }
 }
 
+// Head dims 64 and 128 run their own code (q and the sums in registers), other multiples of 8 the generic loops.
 void unit_values_any(const Call& x, const Unit& u, int64_t d0, int64_t d1, const float* w, int64_t stride,
                      const float* den, float* num) {
-  if (x.hd == 64)
-    unit_values<64>(x, u, d0, d1, w, stride, den, num);
-  else if (x.hd == 128)
-    unit_values<128>(x, u, d0, d1, w, stride, den, num);
-  else
-    unit_values<0>(x, u, d0, d1, w, stride, den, num);
+  x.hd == 64    ? unit_values<64>(x, u, d0, d1, w, stride, den, num)
+  : x.hd == 128 ? unit_values<128>(x, u, d0, d1, w, stride, den, num)
+                : unit_values<0>(x, u, d0, d1, w, stride, den, num);
 }
 
 void unit_scores_any(const Call& x, const Unit& u, int64_t i0, int64_t i1, float* score, int64_t stride) {
-  if (x.hd == 64)
-    unit_scores<64>(x, u, i0, i1, score, stride);
-  else if (x.hd == 128)
-    unit_scores<128>(x, u, i0, i1, score, stride);
-  else
-    unit_scores<0>(x, u, i0, i1, score, stride);
+  x.hd == 64    ? unit_scores<64>(x, u, i0, i1, score, stride)
+  : x.hd == 128 ? unit_scores<128>(x, u, i0, i1, score, stride)
+                : unit_scores<0>(x, u, i0, i1, score, stride);
 }
 
 // Where sharing pays (2 threads, bench/attention.py): widening the shared keys and values to fp32 once for a
