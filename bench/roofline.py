@@ -27,8 +27,6 @@ from dflashkit.measurements import cpu_name, median_ms
 WIDTHS, ROWS = [1, 2, 4, 8, 16, 32], [1, 2, 4, 8, 16]
 
 
-
-
 def machine(repeats: int) -> dict:
     """Streaming bandwidth (GB/s) and the peak GEMM rate (GFLOP/s) with torch's threads."""
     a = torch.ones(128 * 1024 * 1024)  # 512 MB

@@ -303,13 +303,6 @@ constexpr int64_t kShareSlots = 2048;
 constexpr int64_t kShareSlotsBlock = 1536;  // ... or this many, for full blocks of queries (a prefill chunk)
 constexpr int64_t kPhasedSlots = 3072;
 
-// A call of few units (one batch row) and long slot lists: each phase is spread over the threads.
-bool phased(const std::vector<Unit>& units) {
-  int64_t longest = 0;
-  for (const Unit& u : units) longest = std::max(longest, u.longest);
-  return static_cast<int64_t>(units.size()) < 2 * at::get_num_threads() && longest >= kPhasedSlots;
-}
-
 // The units of a call: per batch row, blocks of kQueryBlock queries, times the kv heads.
 std::vector<Unit> make_units(const Call& x, int64_t B) {
   std::vector<Unit> units;
@@ -432,9 +425,10 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
   Call x{reinterpret_cast<const uint16_t*>(q.data_ptr()), reinterpret_cast<const uint16_t*>(keys.data_ptr()),
          reinterpret_cast<const uint16_t*>(values.data_ptr()), reinterpret_cast<uint16_t*>(o.data_ptr()),
          Q, nh, hd, kvh, T, vd, nh / kvh, static_cast<float>(scale), &slots};
-  const int64_t units = B * ((Q + kQueryBlock - 1) / kQueryBlock) * kvh;
+  // The layout (each gives the same bits). Few units (one batch row) with 3k+ slots are phased over the threads.
+  const bool few = B * ((Q + kQueryBlock - 1) / kQueryBlock) * kvh < 2 * at::get_num_threads();
   const bool share = S + L >= kShareSlots || (Q >= kQueryBlock && S + L >= kShareSlotsBlock);
-  if (!share || (units < 2 * at::get_num_threads() && S + L < kPhasedSlots)) {
+  if (!share || (few && S + L < kPhasedSlots)) {
     run_split(x, B, hp, S, tp, L);
     return o;
   }
@@ -442,7 +436,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
     for (int64_t r = a; r < e; ++r) visible_slots(hp + r * S, S, tp + r * L, L, slots[r]);
   });
   std::vector<Unit> shared = make_units(x, B);
-  if (phased(shared))
+  if (few)
     run_phased(x, shared);
   else
     run_units(x, shared);
