@@ -55,24 +55,39 @@ def test_best_cut_margin_weighs_the_extra_time_not_the_total():
 
 def test_cost_model_interpolates_extrapolates_and_learns():
     c = CostModel([10.0 * n for n in VERIFY_GRID], 2.0, [5.0, 8.0, 20.0])
-    assert c.verify(3, 0) == pytest.approx(30.0)
-    assert c.verify(128, 0) == pytest.approx(1280.0)  # the last segment's slope beyond the grid
-    assert c.verify(4, 500) == pytest.approx(40.0 + 2.0 * 4 * 0.5)
+    assert c.verify(1, 3, 0) == pytest.approx(30.0) and c.verify(3, 1, 0) == pytest.approx(30.0)
+    assert c.verify(1, 128, 0) == pytest.approx(1280.0)  # the last segment's slope beyond the grid
+    assert c.verify(1, 4, 500) == pytest.approx(40.0 + 2.0 * 4 * 0.5)  # a number: ms per verified token
     assert c.draft(2) == pytest.approx(6.0)
     for _ in range(60):  # the machine is really twice as slow at 8 tokens: the model follows
-        c.observe(8, 0, 0, 160.0)
-    assert c.verify(8, 0) == pytest.approx(160.0, rel=0.02)
+        c.observe(1, 8, 0, 0, 160.0)
+    assert c.verify(1, 8, 0) == pytest.approx(160.0, rel=0.02)
     # every width alike: a slower AR step must not make the unmeasured wide passes look cheap by comparison
-    assert c.verify(1, 0) == pytest.approx(20.0, rel=0.02) and c.verify(64, 0) / c.verify(1, 0) == pytest.approx(64)
+    assert c.verify(1, 1, 0) == pytest.approx(20.0, rel=0.02)
+    assert c.verify(1, 64, 0) / c.verify(1, 1, 0) == pytest.approx(64)
     for _ in range(60):  # a drafting step that takes 100 ms more than predicted: verify and draft share the error
-        c.observe(8, 0, 4, c.verify(8, 0) + c.draft(4) + 100.0)
+        c.observe(1, 8, 0, 4, c.verify(1, 8, 0) + c.draft(4) + 100.0)
     assert c.draft(4) > 8.0 * 1.5
     d = CostModel([10.0] * len(VERIFY_GRID), 0.0, [5.0, 8.0, 20.0], draft_ctx_ms=3.0, ingest_ms=4.0)
     # one row at a 1,064-token context: +3 ms; 16 rows with 64 features pending each: 16 x 63 extra features
     assert d.draft(1, 64 + 1000) == pytest.approx(8.0) and d.draft(16, 64, 16 * 64) == pytest.approx(20.0 + 4.032)
     frozen = CostModel([1.0] * len(VERIFY_GRID), 0.0, [1.0] * 3, learn=False)
-    frozen.observe(8, 0, 1, 1e6)
-    assert frozen.verify(8, 0) == 1.0
+    frozen.observe(1, 8, 0, 1, 1e6)
+    assert frozen.verify(1, 8, 0) == 1.0
+
+
+def test_the_context_term_is_per_row_and_width():
+    """Past ~2k keys a row's queries share their reads of the cache, so a row's context cost grows less than its
+    width: the term is timed per width (CTX_WIDTHS) and charged per row, not per verified token."""
+    c = CostModel([10.0] * len(VERIFY_GRID), [3.0, 5.0, 11.0], [5.0, 8.0, 20.0])
+    assert c.verify(1, 1, 8000) == pytest.approx(10.0 + 24.0)
+    assert c.verify(1, 2, 8000) == pytest.approx(10.0 + (3.0 + 2.0 / 3) * 8)  # between the timed widths
+    assert c.verify(4, 1, 1000) == pytest.approx(10.0 + 4 * 3.0)  # four rows: each reads its own cache
+    assert c.verify(1, 32, 1000) == pytest.approx(10.0 + 11.0 + 6.0 / 12 * 16)  # the last slope beyond
+    assert c.pass_ms(1, 2, 8000) - c.pass_ms(1, 1, 8000) == pytest.approx((2.0 / 3) * 8.002 + 3.0 * 0.001)
+    # noise only adds time: a wider row is never priced below a narrower one, nor a term below 0
+    assert CostModel([10.0] * 7, [3.0, 2.5, -1.0], [5.0] * 3).ctx_ms == [3.0, 3.0, 3.0]
+    assert CostModel([10.0] * 7, [-0.5, 1.0, 4.0], [5.0] * 3).ctx_ms == [0.0, 1.0, 4.0]
 
 
 def test_the_drafter_is_priced_by_its_block():
@@ -251,14 +266,15 @@ def test_policy_is_validated():
     assert DecodeConfig.recommended().policy == "adaptive" and DecodeConfig().policy == "fixed"
 
 
-def view(rows: int, ctx: int, props: list | None = None, matched: list | None = None, drafter: bool = True):
+def view(rows: int, ctx: int, props: list | None = None, matched: list | None = None, drafter: bool = True,
+         pending: int | None = None):
     """A StepView of `rows` live rows at context `ctx` whose lookup proposes `props` (matched suffix lengths
-    `matched`; default: nothing) and whose drafter has one pending feature per row."""
+    `matched`; default: nothing) and whose drafter has `pending` features to ingest (default: one per row)."""
     props = props or [[]] * rows
     k = max(len(p) for p in props)
     branch = torch.tensor([p + [0] * (k - len(p)) for p in props], dtype=torch.long).reshape(rows, k)
     lk = LookupProposal(branch, torch.tensor([len(p) for p in props]), matched or [0] * rows, props, False)
-    return StepView([True] * rows, list(range(rows)), ctx, rows, drafter, lambda: lk)
+    return StepView([True] * rows, list(range(rows)), ctx, rows if pending is None else pending, drafter, lambda: lk)
 
 
 def test_probes_of_a_drafter_that_never_pays_fit_the_budget():
@@ -267,18 +283,32 @@ def test_probes_of_a_drafter_that_never_pays_fit_the_budget():
     counted the drafter only and probed every 64 steps at most, spent ~6x more here)."""
     c = CostModel([100.0 + 2.0 * n for n in VERIFY_GRID], 0.0, [50.0, 200.0, 500.0], learn=False)
     pol, probes, spent = AdaptivePolicy(c), 0, 0.0
-    base = c.verify(16, 101)
+    base = c.verify(16, 1, 101)
     for _ in range(2000):
         plan = pol.plan(view(16, 100))
         if plan.draft:
             probes += 1
             assert plan.record.probe
-            spent += c.draft(16, 100, 16) + c.verify(16 * 4, 104) - base
+            spent += c.draft(16, 100, 16) + c.verify(16, 4, 104) - base
             pol.probes.learn(0.0, 1, False, 16)  # it did not pay
-    assert 1 <= probes and spent <= c.draft(16, 100, 16) + c.verify(64, 104) + PROBE_BUDGET * 2000 * base
+    assert 1 <= probes and spent <= c.draft(16, 100, 16) + c.verify(16, 4, 104) + PROBE_BUDGET * 2000 * base
     assert probes <= 4  # the budget halves per unpaid probe: probing fades out
     one = AdaptivePolicy(c)  # a single row, where drafting is cheap, still gets its own first probe
     assert any(one.plan(view(1, 100)).draft for _ in range(8))
+
+
+def test_the_first_probe_waits_where_a_long_prompt_makes_it_dear():
+    """The engine's first probe ingests every pending feature: after a short prompt it comes within a few steps;
+    after an 8k-token prompt (here 80 ms of ingest against 10.5 ms plain steps) it waits for the budget."""
+    c = CostModel([10.0 + 0.5 * n for n in VERIFY_GRID], 0.0, [5.0, 8.0, 20.0], ingest_ms=10.0, learn=False)
+    short = AdaptivePolicy(c)
+    assert any(short.plan(view(1, 100, pending=100)).draft for _ in range(8))
+    long = AdaptivePolicy(c)
+    plans = [long.plan(view(1, 8000, pending=8000)) for _ in range(1000)]
+    first = next(i for i, p in enumerate(plans) if p.draft)
+    # the budget: PROBE_BUDGET of the plain steps' time since must cover the probe's extra time
+    extra = c.draft(1, 8000, 8000) + c.verify(1, 4, 8004) - c.verify(1, 1, 8001)
+    assert plans[first].record.probe and first >= extra / (PROBE_BUDGET * c.verify(1, 1, 8001)) - 2
 
 
 def test_a_row_whose_drafts_fail_is_predicted_lower():

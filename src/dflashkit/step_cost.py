@@ -1,4 +1,4 @@
-"""The machine's step cost: milliseconds of a target pass by the tokens it verifies and the context, and of the
+"""The machine's step cost: milliseconds of a target pass by its rows, their width and the context, and of the
 drafter by its rows, its context and the features it first ingests. Calibrated once per machine and model in a few
 seconds (`calibrate`, cached in ~/.cache/dflashkit/cost.json under `cost_key`), corrected online from measured steps
 (`CostModel.observe`). The step policy (`policy/`) weighs every draft against it.
@@ -12,6 +12,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -20,6 +21,8 @@ from .measurements import engine_identity, lookup, machine_key, store
 log = logging.getLogger(__name__)
 
 VERIFY_GRID = (1, 2, 4, 8, 16, 32, 64)  # tokens per target pass timed by `calibrate` (linear beyond the last)
+CTX_WIDTHS = (1, 4, 16)  # tokens per row whose context term `calibrate` times (linear beyond the last) ...
+CTX_LONG = 4096  # ... at this context, on a cache filled at random (a real prefill of it takes 15-70 s on 2 cores)
 DRAFT_GRID = (1, 4, 16)  # batch rows of the drafter's forward timed by `calibrate`
 DRAFT_CTX = 64  # ... at this context length (a context term and the pending features' cost are timed apart)
 DRAFT_MIN_BLOCK = 2  # ... and at this short block beside the configured one (a pass of B tokens: in between)
@@ -64,13 +67,14 @@ def lower_hull(grid: tuple, ys: list[float]) -> list[float]:
 @dataclass
 class CostModel:
     """Milliseconds of one decoding step here. verify_ms: a target pass (forward + LM head) of VERIFY_GRID tokens
-    at a short context; ctx_ms: extra ms per verified token per 1,000 context positions; draft_ms: the drafter's
+    at a short context; ctx_ms: extra ms per row per 1,000 context positions for a row of CTX_WIDTHS tokens (a
+    number: that many ms per verified token, every width alike); draft_ms: the drafter's
     proposal for DRAFT_GRID rows at a DRAFT_CTX context, one feature pending per row, at the configured block
     (`draft_block`) and at DRAFT_MIN_BLOCK (`draft_short_ms`; None: not timed, every block priced as the configured
     one). learn: correct online from measured steps (`observe`)."""
 
     verify_ms: list[float]
-    ctx_ms: float
+    ctx_ms: list[float] | float
     draft_ms: list[float]
     draft_ctx_ms: float = 0.0  # the drafter: extra ms per row per 1,000 context positions beyond DRAFT_CTX ...
     ingest_ms: float = 0.0  # ... and ms per 1,000 pending features written into its cache (`DraftState`)
@@ -88,13 +92,20 @@ class CostModel:
     def __post_init__(self):
         # the calibrated points as their lower convex hull (`lower_hull`); models cached before it get it on load
         self.verify_ms = lower_hull(VERIFY_GRID, list(self.verify_ms))
+        if isinstance(self.ctx_ms, (int, float)):
+            self.ctx_ms = [self.ctx_ms * w for w in CTX_WIDTHS]
+        # never less for a wider row: a timing is the true cost plus noise (as `lower_hull` says)
+        self.ctx_ms = list(accumulate((max(x, 0.0) for x in self.ctx_ms), max))
         self.draft_ms = lower_hull(DRAFT_GRID, list(self.draft_ms))
         if self.draft_short_ms is not None:
             self.draft_short_ms = lower_hull(DRAFT_GRID, list(self.draft_short_ms))
 
-    def verify(self, tokens: int, ctx: int) -> float:
-        base = max(_interp(VERIFY_GRID, self.verify_ms, tokens), 1e-3) + self.ctx_ms * tokens * ctx / 1000
-        return self.scale * base
+    def verify(self, rows: int, width: int, ctx: int) -> float:
+        """A target pass of `width` tokens in each of `rows` rows at context `ctx`. Why the context term per row and
+        width, not per token: past ~2k keys a row's queries share their reads of each kv head (the attention kernel),
+        so at 8k tokens a 2-token row costs ~1.25x a 1-token row, where a term per token said ~1.6x (measured)."""
+        base = max(_interp(VERIFY_GRID, self.verify_ms, rows * width), 1e-3)
+        return self.scale * (base + rows * max(_interp(CTX_WIDTHS, self.ctx_ms, width), 0.0) * ctx / 1000)
 
     def pass_ms(self, rows: int, width: int, ctx: int) -> float:
         """A verify pass of `width` nodes in each of `rows` rows whose anchors sit at position `ctx`: the plain step
@@ -104,13 +115,13 @@ class CostModel:
     def pass_curve(self, rows: int, ctx: int):
         """`pass_ms` for these rows and context as a function of the width, memoised: the policy prices many widths
         per step (a closure of one step; the model moves between steps)."""
-        one, factor, memo = self.verify(rows, ctx + 1), self.wide.get(batch_bucket(rows), 1.0), {}
+        one, factor, memo = self.verify(rows, 1, ctx + 1), self.wide.get(batch_bucket(rows), 1.0), {}
 
         def cost_of(width: int) -> float:
             if width <= 1:
                 return one
             if width not in memo:
-                memo[width] = one + factor * (self.verify(rows * width, ctx + width) - one)
+                memo[width] = one + factor * (self.verify(rows, width, ctx + width) - one)
             return memo[width]
         return cost_of
 
@@ -130,7 +141,7 @@ class CostModel:
                  + self.ingest_ms * max(pending - rows, 0) / 1000)
         return self.draft_scale * (base + extra)
 
-    def observe(self, tokens: int, ctx: int, draft_rows: int, ms: float, draft_ctx: int = 0,
+    def observe(self, rows: int, width: int, ctx: int, draft_rows: int, ms: float, draft_ctx: int = 0,
                 pending: int = 0, draft_block: int | None = None) -> None:
         """A measured step moves the scales toward measured / predicted. Why one scale for every width, not a local
         correction at the width measured: most steps are AR steps, and what makes them slower than calibrated (a
@@ -138,7 +149,7 @@ class CostModel:
         the never-measured wide passes look cheap by comparison, and the policy would verify at a loss (measured:
         0.64x AR at batch 16 on MT-Bench). The calibrated shape is kept."""
         if self.learn:
-            self._move_scales(self.verify(tokens, ctx), ms, draft_rows, draft_ctx, pending, draft_block)
+            self._move_scales(self.verify(rows, width, ctx), ms, draft_rows, draft_ctx, pending, draft_block)
 
     def _move_scales(self, verify: float, ms: float, draft_rows: int, draft_ctx: int, pending: int,
                      draft_block: int | None = None) -> None:
@@ -163,7 +174,7 @@ class CostModel:
         if width <= 1 or draft_rows:  # predicted as the policy priced it: the width factor included
             self._move_scales(self.pass_ms(rows, width, ctx), ms, draft_rows, draft_ctx, pending, draft_block)
             return
-        one = self.verify(rows, ctx + 1)
+        one = self.verify(rows, 1, ctx + 1)
         extra = max(self.pass_ms(rows, width, ctx) - one, 1e-3)
         # the error as a share of the width's own cost, at most +-1: a descheduled step must not wreck the factor
         err = min(max((ms - one - extra) / extra, -1.0), 1.0)
@@ -183,37 +194,44 @@ def _best_of(fn, reps: int = 3) -> float:
 
 @torch.inference_mode()
 def calibrate(target, proposer) -> CostModel:
-    """Time target passes over VERIFY_GRID tokens (one row, a 64-token context; and 8 tokens at a 1,088-token
-    context for the context term) and the drafter's proposal (if any) at DRAFT_GRID rows (a DRAFT_CTX context),
-    at one row with a 1,088-token context (its context term) and with 256 features pending (its ingest term)."""
+    """Time target passes over VERIFY_GRID tokens (one row, a 64-token context) and CTX_WIDTHS tokens at a CTX_LONG
+    context (the context term per width), and the drafter's proposal (if any) at DRAFT_GRID rows (a DRAFT_CTX
+    context), at one row with a CTX_LONG context (its context term) and with 256 features pending (its ingest term)."""
     dev, vocab = target.device, min(target.vocab_size, 1000)
     gen = torch.Generator().manual_seed(0)
+    long_ctx = max(min(CTX_LONG, target.max_positions - CTX_WIDTHS[-1]), 128)
 
     def verify_fn(n: int, ctx: int):
+        # Why a cache filled at random, not prefilled: a pass's cost does not depend on the values it reads, and a
+        # real prefill of CTX_LONG tokens would make calibration minutes long on a CPU (a value's extra column, where
+        # a backend keeps one, gets no special value: nothing here reads the outputs)
         cache = target.new_cache(1, ctx + n)
-        ids = torch.randint(4, vocab, (1, ctx + n), generator=gen).to(dev)
-        pos = torch.arange(ctx + n, device=dev)[None]
-        target.forward(ids[:, :ctx], pos[:, :ctx], cache, kv_len=ctx, taps=False)
+        for t in cache.keys + cache.values:
+            t.uniform_(0.5, 1.5, generator=gen)
+        ids = torch.randint(4, vocab, (1, n), generator=gen).to(dev)
+        pos = torch.arange(ctx, ctx + n, device=dev)[None]
         vis = torch.ones((1, 1, n, ctx + n), dtype=torch.bool, device=dev)
         taps = proposer is not None
-        return lambda: target.logits(target.forward(ids[:, ctx:], pos[:, ctx:], cache, kv_len=ctx + n, taps=taps,
-                                                    slots=pos[:, ctx:], visible=vis)[0])
+        return lambda: target.logits(target.forward(ids, pos, cache, kv_len=ctx + n, taps=taps, slots=pos,
+                                                    visible=vis)[0])
 
     verify = [_best_of(verify_fn(n, 64)) for n in VERIFY_GRID]
-    long_ctx = _best_of(verify_fn(8, 1088))
-    ctx_ms = max((long_ctx - _interp(VERIFY_GRID, verify, 8)) / 8, 0.0)  # per token per 1,000 positions
+    # ms per row per 1,000 positions beyond the short context, per width
+    ctx_ms = [round(max(_best_of(verify_fn(w, long_ctx)) - _interp(VERIFY_GRID, verify, w), 0.0)
+                    / ((long_ctx - 64) / 1000), 4) for w in CTX_WIDTHS]
     if proposer is None:
-        return CostModel([round(x, 3) for x in verify], round(ctx_ms, 4), [0.0] * len(DRAFT_GRID))
+        return CostModel([round(x, 3) for x in verify], ctx_ms, [0.0] * len(DRAFT_GRID))
     draft = [_best_of(_draft_fn(target, proposer, b)) for b in DRAFT_GRID]
     B = proposer.block_size
     short = [round(_best_of(_draft_fn(target, proposer, b, block=DRAFT_MIN_BLOCK)), 3) for b in DRAFT_GRID] \
         if B > DRAFT_MIN_BLOCK else None
-    draft_ctx = max(_best_of(_draft_fn(target, proposer, 1, ctx=DRAFT_CTX + 1024)) - draft[0], 0.0) / 1.024
+    draft_ctx = max(_best_of(_draft_fn(target, proposer, 1, ctx=long_ctx)) - draft[0], 0.0) \
+        / ((long_ctx - DRAFT_CTX) / 1000)
     # ms per 1,000 pending features: 257 against 1 at one context (a feature per position: the context holds them)
     long = DRAFT_CTX + 256
     ingest = max(_best_of(_draft_fn(target, proposer, 1, ctx=long, pending=257))
                  - _best_of(_draft_fn(target, proposer, 1, ctx=long)), 0.0) / 0.256
-    return CostModel([round(x, 3) for x in verify], round(ctx_ms, 4), [round(x, 3) for x in draft],
+    return CostModel([round(x, 3) for x in verify], ctx_ms, [round(x, 3) for x in draft],
                      round(draft_ctx, 4), round(ingest, 4), draft_short_ms=short, draft_block=B)
 
 
@@ -247,8 +265,9 @@ def cost_key(target, proposer) -> str:
     # The kernels set the costs (the drafter runs the target's, `kernel_plan.apply_to_drafter`). Why their sources
     # too (in the plan's identity): a faster kernel keeps the plan's name; priced by its predecessor's times, the
     # policy would misjudge every step (a 1-token step measured at 11.7 ms, now 8.5). "draft-ctx": models calibrated
-    # before the drafter's context and ingest terms lack them; "draft-block": ... and its short-block timing.
-    engine = engine_identity(target) + "/draft-ctx/draft-block"
+    # before the drafter's context and ingest terms lack them; "draft-block": ... and its short-block timing;
+    # "ctx-width": ... and the target's context term per width, timed at CTX_LONG.
+    engine = engine_identity(target) + "/draft-ctx/draft-block/ctx-width"
     return machine_key("step-cost", engine, target.architecture, target.hidden_size, target.num_layers,
                        target.vocab_size, target.dtype, target.device, draft)
 
@@ -261,9 +280,9 @@ def load_or_calibrate(target, proposer, cache_file: str | os.PathLike | None) ->
         return CostModel(**stored)
     log.info("calibrating the step cost model on this machine (once; cached in %s)", cache_file)
     cost = calibrate(target, proposer)
-    log.info("step cost: verify %s ms at %s tokens (+%s ms per token per 1K context), drafter %s ms at %s rows "
+    log.info("step cost: verify %s ms at %s tokens (+%s ms per row per 1K context at %s tokens a row), drafter %s ms at %s rows "
              "(block %s; %s ms at block %d; +%s ms per row per 1K context, +%s ms per 1K pending features)",
-             cost.verify_ms, VERIFY_GRID, cost.ctx_ms, cost.draft_ms, DRAFT_GRID, cost.draft_block,
+             cost.verify_ms, VERIFY_GRID, cost.ctx_ms, CTX_WIDTHS, cost.draft_ms, DRAFT_GRID, cost.draft_block,
              cost.draft_short_ms, DRAFT_MIN_BLOCK, cost.draft_ctx_ms, cost.ingest_ms)
     store(cache_file, key, {k: v for k, v in asdict(cost).items() if k not in ("learn", "rate")})
     return cost

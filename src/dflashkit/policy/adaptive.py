@@ -69,7 +69,7 @@ class AdaptivePolicy:
         live = sum(view.live)
         rec = StepRecord(view.rows, view.ctx, live, view.live, view.keys)
         if self.looks.plain():
-            self.probes.skip(self.cost.verify(view.rows, view.ctx + 1))  # plain steps count toward a probe
+            self.probes.skip(self.cost.verify(view.rows, 1, view.ctx + 1))  # plain steps count toward a probe
             rec.looked, rec.kept = False, [np.zeros(1, dtype=np.int64)] * view.rows
             return Plan(look=False, draft=False, record=rec)
         t0 = self.clock()

@@ -17,6 +17,9 @@ PROBE_MIN, PROBE_MAX = 4, 64  # steps between probes of a drafter that stopped p
 # ... and a probe's extra time (drafter, pending features, wider verify) at most this share of the plain time since
 # the last, halved per unpaid probe at this batch size (at 3 %, cells where drafting never paid lost ~2.5 % to it).
 PROBE_BUDGET = 0.01
+# The engine's first probe, before anything is known of the drafter, may cost up to this many plain steps whatever
+# the budget; a dearer one (a long prompt's features all pending: at ~8k tokens ~23 plain steps) waits for it.
+FIRST_PROBE_STEPS = 4
 # Plain steps between looks once looking stops paying: doubled per unpaid look, up to PLAIN_MAX (a copy is found at
 # most 8 steps late; a look at batch 16, ~3 % of a step, then costs a ninth of that); LOOK_DECAY: the EMAs' weight.
 # (A longer memory, 0.9, did not remove the slow runs on HumanEval at batch 4: bench/results/policy-looks-fix/.)
@@ -40,14 +43,18 @@ class Probes:
 
     def due(self, rows: int, base: float, extra: float) -> bool:
         """A probe is due: after `backoff` skipped steps, once the plain steps since the last run cost enough that
-        the probe's extra time fits PROBE_BUDGET of them. The engine's first probe comes after `backoff` steps
-        whatever it costs: nothing is known of the drafter yet. Later ones wait for the budget: what drafting earns
-        per row is known then and carries over to other batch sizes (measured: an unconditional first probe per batch
-        size cost 5-10 % of a 32-token cell where drafting never paid)."""
+        the probe's extra time fits PROBE_BUDGET of them. The engine's first probe may also spend up to
+        FIRST_PROBE_STEPS plain steps (`base` each): nothing is known of the drafter yet. Why not whatever it costs:
+        on a fresh engine whose first prompt is long, the probe ingests every prompt feature and drafts over them
+        (an 8k-token prompt on the AVX2 path: 925 ms, ~23 plain steps, a fifth of a 128-token answer). Later probes
+        wait for the budget alone: what drafting earns per row is known then and carries over to other batch sizes
+        (measured: an unconditional first probe per batch size cost 5-10 % of a 32-token cell where drafting never
+        paid)."""
         k = batch_bucket(rows)
-        return self.skipped + 1 >= self.backoff and (
-            not self.drafted_once
-            or (self.skipped_ms + base) * PROBE_BUDGET / 2 ** self.unpaid.get(k, 0) >= extra)
+        allowance = (self.skipped_ms + base) * PROBE_BUDGET / 2 ** self.unpaid.get(k, 0)
+        if not self.drafted_once:
+            allowance = max(allowance, FIRST_PROBE_STEPS * base)
+        return self.skipped + 1 >= self.backoff and allowance >= extra
 
     def skip(self, plain_ms: float) -> None:
         """A step without the drafter."""
