@@ -100,7 +100,8 @@ def report(res: dict) -> str:
               f"**{s['speedup']:.2f}x**; {s['drafter_steps']} of {s['steps']} steps ran the drafter "
               f"(probes: {s['probe_ms']:.0f} ms); {s['differing']} outputs differing from AR.", "",
               "Predicted vs measured ms of the default's steps, by width (median ratio measured / predicted):", "",
-              "| width | steps | median measured ms | median predicted ms | measured / predicted |", "|---|---|---|---|---|"]
+              "| width | steps | median measured ms | median predicted ms | measured / predicted |",
+              "|---|---|---|---|---|"]
     by: dict = {}
     for r in res["prompts"]:
         for x in r["steps"]:

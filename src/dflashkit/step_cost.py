@@ -280,7 +280,8 @@ def load_or_calibrate(target, proposer, cache_file: str | os.PathLike | None) ->
         return CostModel(**stored)
     log.info("calibrating the step cost model on this machine (once; cached in %s)", cache_file)
     cost = calibrate(target, proposer)
-    log.info("step cost: verify %s ms at %s tokens (+%s ms per row per 1K context at %s tokens a row), drafter %s ms at %s rows "
+    log.info("step cost: verify %s ms at %s tokens (+%s ms per row per 1K context at %s tokens a row), "
+             "drafter %s ms at %s rows "
              "(block %s; %s ms at block %d; +%s ms per row per 1K context, +%s ms per 1K pending features)",
              cost.verify_ms, VERIFY_GRID, cost.ctx_ms, CTX_WIDTHS, cost.draft_ms, DRAFT_GRID, cost.draft_block,
              cost.draft_short_ms, DRAFT_MIN_BLOCK, cost.draft_ctx_ms, cost.ingest_ms)
