@@ -68,10 +68,10 @@ def lower_hull(grid: tuple, ys: list[float]) -> list[float]:
 class CostModel:
     """Milliseconds of one decoding step here. verify_ms: a target pass (forward + LM head) of VERIFY_GRID tokens
     at a short context; ctx_ms: extra ms per row per 1,000 context positions for a row of CTX_WIDTHS tokens (a
-    number: that many ms per verified token, every width alike); draft_ms: the drafter's
-    proposal for DRAFT_GRID rows at a DRAFT_CTX context, one feature pending per row, at the configured block
-    (`draft_block`) and at DRAFT_MIN_BLOCK (`draft_short_ms`; None: not timed, every block priced as the configured
-    one). learn: correct online from measured steps (`observe`)."""
+    number: that many ms per verified token, every width alike); draft_ms: the drafter's proposal for DRAFT_GRID
+    rows at a DRAFT_CTX context, one feature pending per row, at the configured block (`draft_block`) and at
+    DRAFT_MIN_BLOCK (`draft_short_ms`; None: not timed, every block priced as the configured one). learn: correct
+    online from measured steps (`observe`)."""
 
     verify_ms: list[float]
     ctx_ms: list[float] | float
