@@ -2,9 +2,9 @@
 
 The marginal of each of the first 4 emitted tokens under speculative sampling (block 4, with drafts that
 are often accepted) is compared with the EXACT marginal, computed by enumerating every prefix of the
-tiny target (vocab 12). One chi-square test per (setting, position, backend): 4 settings (two plain blocks, a lookup
-branch, a drafter tree) x 4 positions x 2 target backends = 32 tests at alpha = 1e-3 each, so the file raises a
-false alarm with probability <= 3.2 %.
+tiny target (vocab 12). One chi-square test per (setting, position, backend): 5 settings (two plain blocks, a lookup
+branch, a corpus lookup, a drafter tree) x 4 positions x 2 target backends = 40 tests at alpha = 1e-3 each, so the
+file raises a false alarm with probability <= 4 %.
 """
 
 import numpy as np
@@ -234,6 +234,23 @@ def test_speculative_sampling_with_a_lookup_branch_matches_target_distribution(b
     greedy_oracle(eng, t)
     use_lookup_oracle(eng, t, 3)
     assert_sampling_matches_target(eng, t, SamplingParams(temperature=1.0), seed=4321)
+
+
+def test_speculative_sampling_with_the_corpus_lookup_matches_target_distribution(backend):
+    """The corpus branch copies from 300 of the target's own samples (so its copies are often right, and wrong
+    where a sample leaves the likeliest continuation): the marginals stay the target's."""
+    from dflashkit.corpus import Corpus
+    from dflashkit.lookup import LookupParams
+
+    t = small_target(backend)
+    plain = DFlashEngine(t, eos_token_ids=[], config=DecodeConfig.autoregressive())
+    torch.manual_seed(99)
+    answers = [g.tokens for g in plain.generate([PROMPT] * 300, sampling=SamplingParams(temperature=1.0),
+                                                 max_new_tokens=8)]
+    eng = DFlashEngine(t, make_drafter(t, block_size=4, mask_token_id=3), eos_token_ids=[],
+                       config=DecodeConfig(lookup=LookupParams(max_tokens=3, corpus_n=1)),
+                       corpus=Corpus.from_answers(answers))
+    assert_sampling_matches_target(eng, t, SamplingParams(temperature=1.0), seed=4322)
 
 
 def test_speculative_sampling_with_a_drafter_tree_matches_target_distribution(backend):

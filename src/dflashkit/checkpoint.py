@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import DFlashConfig
+from .corpus import Corpus
 from .drafter import DFlashDrafter
 from .errors import DFlashError
 
@@ -69,6 +70,7 @@ def read_config(path: str | os.PathLike, num_target_layers: int | None = None) -
 
 
 RANKING = "token_ranking.json"  # optional: target ids by training frequency, for `DFlashEngine(draft_vocab=N)`
+CORPUS = "corpus.npz"  # optional: the target's answers the drafter trained on, for the corpus lookup (`corpus.py`)
 
 
 def save_token_ranking(out_dir: str | os.PathLike, ids: list[int], source: str) -> Path:
@@ -133,4 +135,5 @@ def load_drafter(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                           "is corrupt.")
     drafter.load_state_dict(state)
     drafter.token_ranking = load_token_ranking(p)
+    drafter.corpus = Corpus.load(p / CORPUS) if (p / CORPUS).is_file() else None
     return drafter.to(device=device, dtype=dtype)

@@ -9,56 +9,11 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .cli_flags import Help, add_target_flags
+from .cli_flags import Help, add_model_flags, add_target_flags, decode_config
 from .cli_training import training_parsers
 from .errors import DFlashError
 
 log = logging.getLogger("dflashkit")
-
-
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    """Target, drafter and the drafting flags; their defaults are `DecodeConfig.recommended()`'s."""
-    from .decode_config import DecodeConfig
-
-    rec = DecodeConfig.recommended()
-    add_target_flags(p)
-    p.add_argument("--lookup", type=int, default=rec.lookup.max_tokens,
-                   help="also verify an n-gram lookup branch of up to N tokens copied from earlier in the sequence, "
-                        "beside the DFlash block (a draft tree; output stays exact). 0 = off. bench: the lookup length "
-                        "of its dflash-lookup and lookup methods (its ar and dflash rows never use lookup)")
-    p.add_argument("--tree", type=int, default=rec.tree,
-                   help="draft a TREE: the drafter's N most likely paths through its top tokens per block slot, "
-                        "verified in one pass (output stays exact); 0 = the plain chain of argmaxes. bench: the tree "
-                        "of its dflash-lookup and dflash-tree methods")
-    p.add_argument("--tree-min-prob", type=float, default=rec.tree_min_prob,
-                   help="with --tree: also drop the paths the drafter gives less than this probability (the verify "
-                        "pass then holds only the likely nodes; 0 = keep all N)")
-    p.add_argument("--draft-vocab", type=int, default=rec.draft_vocab,
-                   help="draft over the drafter's N most frequent training ids only (needs its token_ranking.json; "
-                        "fewer LM-head rows to read; verification keeps the full vocabulary). 0 = all ids; "
-                        "default: 16384 if the drafter has a token ranking, else 0")
-    p.add_argument("--lookup-per-n", type=int, default=rec.lookup.tokens_per_n,
-                   help="propose at most this many lookup tokens per matched suffix token (0 = always --lookup)")
-    p.add_argument("--policy", default=rec.policy, choices=["adaptive", "fixed"],
-                   help="adaptive: each step drafts and verifies only what pays on this machine at this load (a cost "
-                        "model calibrated once per machine, acceptance learned while decoding; plain AR steps when "
-                        "nothing pays); fixed: the whole tree and lookup branch every step. bench: the policy of "
-                        "its dflash-lookup rows")
-    p.add_argument("--lookup-skip", type=int, default=rec.lookup.skip_drafter_n,
-                   help="skip the drafter's forward when the lookup matched a suffix of at least this many tokens "
-                        "(0 = never)")
-
-
-def decode_config(args, block_size: bool = True):
-    """The `DecodeConfig` the drafting flags describe (validated; block size from --block-size if given and
-    `block_size`: bench takes a list of block sizes and sets each row's itself)."""
-    from .decode_config import DecodeConfig
-    from .lookup import LookupParams
-
-    lookup = LookupParams(max_tokens=args.lookup, skip_drafter_n=args.lookup_skip, tokens_per_n=args.lookup_per_n)
-    return DecodeConfig(block_size=getattr(args, "block_size", None) if block_size else None, tree=args.tree,
-                        tree_min_prob=args.tree_min_prob, draft_vocab=args.draft_vocab, lookup=lookup,
-                        policy=args.policy)
 
 
 def exactness_label(target) -> str:
@@ -309,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _generate_and_data_parsers(sub) -> None:
     g = sub.add_parser("generate", formatter_class=Help, help="answer one prompt (chat template applied)")
     g.add_argument("--prompt", required=True, help="the user message (the target's chat template is applied)")
-    _add_model_flags(g)
+    add_model_flags(g)
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per block; 1 = autoregressive (default: the drafter's)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (output keeps the "
@@ -373,7 +328,7 @@ def _bench_and_serve_parsers(sub) -> None:
     b.add_argument("--speed-bench-dir", default=None,
                    help="SPEED-Bench as specdec_bench's prepare step writes it (data/speed/<config>/, parquet or "
                         "JSONL, or one such file)")
-    _add_model_flags(b)
+    add_model_flags(b)
     b.set_defaults(func=cmd_bench)
     c = sub.add_parser("bench-serve", formatter_class=Help,
                        help="throughput vs per-user speed over concurrency: our server and the peers' (Pareto curve)")
@@ -389,7 +344,7 @@ def _bench_and_serve_parsers(sub) -> None:
     c.set_defaults(func=cmd_bench_serve)
 
     sv = sub.add_parser("serve", formatter_class=Help, help="OpenAI-compatible server with continuous batching")
-    _add_model_flags(sv)
+    add_model_flags(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 = every interface)")
     sv.add_argument("--port", type=int, default=8000, help="TCP port")
     sv.add_argument("--block-size", type=int, default=None, help="tokens per block (default: the drafter's)")

@@ -62,11 +62,12 @@ class DecodeConfig:
 
     @classmethod
     def recommended(cls, **overrides) -> "DecodeConfig":
-        """The default system: up to a 20-node drafter tree + a lookup branch of up to 16 tokens, each step cut to
-        what pays on this machine at this load (the adaptive policy; `policy="fixed"`: a 20-node tree pruned at
-        probability 0.03 every step)."""
+        """The default system: up to a 20-node drafter tree + a lookup branch of up to 16 tokens (from the sequence,
+        or from the target's earlier answers where the drafter ships them and the sequence's own match is short),
+        each step cut to what pays on this machine at this load (the adaptive policy; `policy="fixed"`: a 20-node
+        tree pruned at probability 0.03 every step)."""
         base = dict(tree=20, tree_min_prob=0.03, draft_vocab=None,
-                    lookup=LookupParams(max_tokens=16, tokens_per_n=4, skip_drafter_n=3), policy="adaptive")
+                    lookup=LookupParams(max_tokens=16, tokens_per_n=4, skip_drafter_n=3, corpus_n=2), policy="adaptive")
         return cls(**{**base, **overrides})
 
     @classmethod

@@ -134,6 +134,7 @@ class DFlashDrafter(nn.Module):
         # Target ids by training frequency, most frequent first (`checkpoint.RANKING`); lets the engine draft over
         # the most frequent ids only (`DFlashEngine(draft_vocab=N)`). Not a weight: None when the directory has none.
         self.token_ranking: list[int] | None = None
+        self.corpus = None  # the target's answers for the corpus lookup (`checkpoint.CORPUS`): not a weight either
         self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
@@ -275,5 +276,5 @@ def dflash2_from(v1: DFlashDrafter, **fields) -> DFlashDrafter:
         layer.attention_conv.init_identity()
         layer.mlp_conv.init_identity()
     v2.candidate_selector.init_unary()
-    v2.token_ranking = v1.token_ranking
+    v2.token_ranking, v2.corpus = v1.token_ranking, v1.corpus
     return v2.to(next(v1.parameters()).dtype)

@@ -19,6 +19,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .batch import DecodeBatch, SeqState, StepOutput, cache_positions
+from .corpus import Corpus
 from .decode_config import DecodeConfig
 from .drafter import DFlashDrafter
 from .errors import DFlashError
@@ -49,10 +50,12 @@ class DFlashEngine:
 
     def __init__(self, target, drafter: DFlashDrafter | None = None, tokenizer=None,
                  config: DecodeConfig | None = None, eos_token_ids: Sequence[int] | None = None,
-                 cost: CostModel | None = None, cost_file: str | None = "default"):
+                 cost: CostModel | None = None, cost_file: str | None = "default", corpus: Corpus | None = None):
         """cost: the adaptive policy's cost model (default: calibrated here once, cached in `cost_file`; "default"
-        is ~/.cache/dflashkit/cost.json, None caches nothing)."""
+        is ~/.cache/dflashkit/cost.json, None caches nothing). corpus: the target's earlier answers for the lookup
+        (`LookupParams.corpus_n`; default: the one shipped in the drafter's directory, if any)."""
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.corpus = corpus if corpus is not None else getattr(drafter, "corpus", None)
         self.cost, self.cost_file = cost, cost_file
         self._policies: dict[tuple, AdaptivePolicy] = {}
         if drafter is not None:
@@ -107,8 +110,8 @@ class DFlashEngine:
             log.warning("draft nodes up to depth %d exceed the lean backend's bit-identical depth %d: outputs may "
                         "part from AR at rounding near-ties (raise LeanTarget(tail_depth=...) or draft shallower)",
                         c.depth_span - 1, tail)
-        return DecodeBatch(self.target, self.drafter_proposer(c), self.lookup_factory(c.lookup), c.verify_width,
-                           c.depth_span, max_len, self.eos_token_ids, self.tokenizer, self.policy(c))
+        return DecodeBatch(self.target, self.drafter_proposer(c), self.lookup_factory(c.lookup, self.corpus),
+                           c.verify_width, c.depth_span, max_len, self.eos_token_ids, self.tokenizer, self.policy(c))
 
     def policy(self, config: DecodeConfig):
         """The step policy of a resolved config: one `AdaptivePolicy` per drafting setting, kept for the engine's

@@ -12,12 +12,14 @@ choices one pass can commit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from .errors import DFlashError
+
+CORPUS_BELOW = 2  # the corpus is asked only where the sequence's own match is shorter (`LookupParams.corpus_n`)
 
 
 @dataclass(frozen=True)
@@ -26,13 +28,16 @@ class LookupParams:
     skip_drafter_n: when every live sequence's match is at least this long, the step verifies the lookup
     branch alone and skips the drafter's forward (0 = always draft).
     tokens_per_n: propose at most this many tokens per matched suffix token (0 = always max_tokens): a
-    1-token match is a weak guess, and every proposed token widens the verify pass."""
+    1-token match is a weak guess, and every proposed token widens the verify pass.
+    corpus_n: where the sequence's own match is shorter than CORPUS_BELOW tokens, copy from the engine's corpus
+    of the target's earlier answers instead (`corpus.py`) if it matches at least this many (0 = never)."""
 
     max_tokens: int = 0
     max_n: int = 4
     min_n: int = 1
     skip_drafter_n: int = 0
     tokens_per_n: int = 0
+    corpus_n: int = 0
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
@@ -43,6 +48,8 @@ class LookupParams:
         if self.tokens_per_n < 0:
             raise DFlashError(f"tokens_per_n must be >= 0 (got {self.tokens_per_n}); 0 proposes max_tokens "
                               "whatever the match.")
+        if not isinstance(self.corpus_n, int) or self.corpus_n < 0:
+            raise DFlashError(f"corpus_n must be an integer >= 0 (got {self.corpus_n}); 0 turns the corpus lookup off.")
         if self.skip_drafter_n < 0:
             raise DFlashError(f"skip_drafter_n must be >= 0 (got {self.skip_drafter_n}); 0 means always draft.")
 
@@ -60,6 +67,13 @@ class LookupProposal:
     matched: list[int]  # per row: the length of the suffix that matched (0: no proposal)
     tokens: list[list[int]]  # per row: the proposal on the host
     skips_drafter: bool  # every live row matched a suffix of at least `skip_drafter_n`: verify the branch alone
+    corpus: list[bool] = field(default_factory=list)  # per row: its proposal came from the corpus (`corpus.py`)
+
+    def key(self, row: int) -> int | str:
+        """What the policy calibrates the row's proposal under: its match length, and where it copied from (a
+        corpus match of n tokens predicts less than the sequence's own)."""
+        n = self.matched[row]
+        return f"corpus-{n}" if self.corpus and self.corpus[row] else n
 
 
 def propose(tokens: list[int] | np.ndarray, params: LookupParams) -> tuple[list[int], int]:

@@ -17,10 +17,11 @@ import torch
 
 from . import kernels
 from .cache import PositionCache
+from .corpus import Corpus
 from .drafter import DFlashDrafter, rope_cos_sin
 from .errors import DFlashError
 from .kernel_plan import plan_of
-from .lookup import LookupParams, LookupProposal, SuffixIndex, propose
+from .lookup import CORPUS_BELOW, LookupParams, LookupProposal, SuffixIndex, propose
 from .tree import DraftNodes, chain_nodes, topk_tree
 
 
@@ -308,24 +309,35 @@ class DrafterProposer:
 
 class LookupProposer:
     """The n-gram lookup branch: for each live row, the tokens that followed the latest earlier occurrence of its
-    longest matching suffix. Runs on the host, where the committed tokens live."""
+    longest matching suffix, or (`LookupParams.corpus_n`) the continuation of its suffix in the corpus of the
+    target's earlier answers where the row's own match is short. Runs on the host, where the committed tokens live."""
 
-    def __init__(self, params: LookupParams):
+    def __init__(self, params: LookupParams, corpus: Corpus | None = None):
         self.params = params
+        self.corpus = corpus if params.corpus_n else None
 
     def propose(self, seqs: list, device: torch.device) -> LookupProposal:
         """Every row's proposal; the branch is never wider than the longest one."""
         on = self.params.enabled
-        props = [self.suggest(s.history(), s.suffixes(self.params.max_n)) if on and not s.finished else ([], 0)
-                 for s in seqs]
+        props, corpus = [], []
+        for s in seqs:
+            p, n = self.suggest(s.history(), s.suffixes(self.params.max_n)) if on and not s.finished else ([], 0)
+            c = self.corpus is not None and on and not s.finished and n < CORPUS_BELOW
+            if c:
+                m = self.corpus.match(s.history(), self.params.max_tokens, self.params.corpus_n)
+                c = m.n > 0
+                p, n = (m.tokens, m.n) if c else (p, n)
+            props.append((p, n))
+            corpus.append(c)
         k = max((len(p) for p, _ in props), default=0)
         branch = np.zeros((len(seqs), k), dtype=np.int64)
         for i, (p, _) in enumerate(props):
             branch[i, :len(p)] = p
         lengths = torch.tensor([len(p) for p, _ in props], device=device)
         matched = [n for _, n in props]
+        own = [0 if c else n for n, c in zip(matched, corpus)]  # only the row's own matches may skip the drafter
         return LookupProposal(torch.from_numpy(branch).to(device), lengths, matched, [p for p, _ in props],
-                              self.skips_drafter(matched, seqs))
+                              self.skips_drafter(own, seqs), corpus)
 
     def suggest(self, tokens: np.ndarray, index: SuffixIndex | None = None) -> tuple[list[int], int]:
         """One row's (proposal, matched suffix length) for its committed tokens, through the row's n-gram index

@@ -36,7 +36,7 @@ class StepRecord:
     values: np.ndarray | None = None  # [b, 1 + k] the lookup nodes' predicted acceptance (ANCHOR in column 0)
     factor: list[float] = field(default_factory=list)  # per row: `RowHistory.factor` when chosen
     props: list[list[int]] = field(default_factory=list)  # per row: the lookup proposal
-    matched: list[int] = field(default_factory=list)  # per row: its match length
+    lookup_keys: list = field(default_factory=list)  # per row: its proposal's calibration key (`LookupProposal.key`)
     no_draft_rate: float = 0.0  # committed tokens per ms of the best cut without the drafter
     draft_in: tuple = (0, 0, None)  # the drafter's (context, pending features, block), for the cost model
     probe: bool = False  # the drafter runs as a probe
@@ -75,8 +75,8 @@ class AdaptivePolicy:
         t0 = self.clock()
         lk = view.lookup()
         rec.factor = [self._history(k).factor() for k in view.keys]
-        rec.props, rec.matched = lk.tokens, lk.matched
-        rec.values = self._lookup_values(lk.tokens, lk.matched, view.live, rec.factor)
+        rec.props, rec.lookup_keys = lk.tokens, [lk.key(r) for r in range(view.rows)]
+        rec.values = self._lookup_values(lk.tokens, rec.lookup_keys, lk.matched, view.live, rec.factor)
         cost_of = self.cost.pass_curve(view.rows, view.ctx)
         cut = best_cut(rec.values, live, cost_of, margin=MARGIN)
         if view.drafter and not lk.skips_drafter and self._wants_drafter(view, rec, cut, cost_of):
@@ -153,7 +153,7 @@ class AdaptivePolicy:
             if raw:
                 self._history(rec.keys[r]).observe(raw, hit)
             if rec.props[r]:
-                self.acc.observe_lookup(rec.matched[r], rec.props[r], outcome.tokens[r][:a + 1])
+                self.acc.observe_lookup(rec.lookup_keys[r], rec.props[r], outcome.tokens[r][:a + 1])
         if ps:
             self.acc.observe_drafter(ps, ok)
 
@@ -169,12 +169,12 @@ class AdaptivePolicy:
             self.histories.move_to_end(key)
         return h
 
-    def _lookup_values(self, props: list, matched: list, live: list[bool], factor: list) -> np.ndarray:
-        """Each row's lookup nodes' expected acceptance [b, 1 + k]: rate(n)^j for its j-th copied token, times the
-        row's factor, at most 1; -inf past its proposal (and for finished rows), ANCHOR in column 0."""
+    def _lookup_values(self, props: list, keys: list, matched: list, live: list[bool], factor: list) -> np.ndarray:
+        """Each row's lookup nodes' expected acceptance [b, 1 + k]: rate(key)^j for its j-th copied token, times
+        the row's factor, at most 1; -inf past its proposal (and for finished rows), ANCHOR in column 0."""
         k = max((len(p) for p in props), default=0)
         lens = np.array([len(p) if on else 0 for p, on in zip(props, live)])
-        rates = np.array([self.acc.lookup_rate(n) if n else 0.0 for n in matched])
+        rates = np.array([self.acc.lookup_rate(key) if n else 0.0 for key, n in zip(keys, matched)])
         j = np.arange(1, k + 1)
         vals = np.minimum(rates[:, None] ** j[None] * np.asarray(factor)[:, None], 1.0)
         v = np.full((len(live), 1 + k), ANCHOR)

@@ -1,0 +1,153 @@
+"""The corpus lookup (`corpus.py`): its matches against their definition, its file, how the lookup branch and the
+policy use it, and lossless decoding with it."""
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from conftest import make_drafter, make_target
+from dflashkit import DecodeConfig, DFlashEngine, DFlashError, SamplingParams
+from dflashkit.checkpoint import CORPUS, load_drafter, save_drafter
+from dflashkit.corpus import MAX_N, Corpus
+from dflashkit.lookup import LookupParams
+from dflashkit.policy.acceptance import Acceptance
+from dflashkit.proposers import LookupProposer
+from test_engine import PROMPTS, reference_runs
+
+
+def plain_match(answers: list[list[int]], ids: list[int], max_tokens: int, min_n: int = 1):
+    """The definition, written plainly: the longest suffix of ids (at most MAX_N) that ends somewhere inside an
+    answer; then, token by token, the next token most of its occurrences share (a tie to the smallest id, an
+    answer's end counting as -1), keeping only the occurrences that agree; no match where nothing is copied."""
+    for n in range(min(MAX_N, len(ids)), 0, -1):
+        conts = [a[e + 1:e + 1 + max_tokens] for a in answers for e in range(n - 1, len(a))
+                 if a[e - n + 1:e + 1] == ids[-n:]]
+        if conts:
+            break
+    else:
+        return [], 0, 0
+    if n < min_n:
+        return [], 0, 0
+    out, support = [], 0
+    for j in range(max_tokens):
+        col = [c[j] if j < len(c) else -1 for c in conts]
+        counts = Counter(col)
+        best = min(counts, key=lambda v: (-counts[v], v))
+        if best == -1:
+            break
+        support = counts[best] if j == 0 else support
+        out.append(best)
+        conts = [c for c, v in zip(conts, col) if v == best]
+    return (out, n, support) if out else ([], 0, 0)
+
+
+def test_a_match_is_the_longest_suffix_and_the_continuation_most_occurrences_share():
+    c = Corpus.from_answers([[1, 2, 3, 4], [9, 2, 3, 5, 6], [2, 3, 5, 7], [8, 8]])
+    m = c.match([0, 2, 3], max_tokens=3)
+    assert (m.tokens, m.n, m.support) == ([5, 6], 2, 2)  # [2, 3] -> 5 twice, 4 once; then 6 and 7: a tie to 6
+    assert c.match([7, 1, 2, 3], 3).tokens == [4]  # [1, 2, 3]: the longest suffix wins; the answer ends after 4
+    assert c.match([4, 4], 3).n == 0  # 4 ends an answer only: nothing follows
+    assert c.match([0, 8], 3, min_n=2).n == 0 and c.match([8, 8], 3).tokens == []
+    assert c.match([3, 99], 3).n == 0  # an id the corpus never holds
+
+
+def test_matches_agree_with_the_definition_on_random_corpora():
+    rng = random.Random(0)
+    for _ in range(1500):
+        v = rng.randint(2, 7)
+        answers = [[rng.randrange(v) for _ in range(rng.randint(1, 15))] for _ in range(rng.randint(1, 4))]
+        c = Corpus.from_answers(answers)
+        ids = [rng.randrange(v) for _ in range(rng.randint(1, 12))]
+        k, min_n = rng.randint(1, 6), rng.randint(1, 3)
+        m = c.match(ids, k, min_n)
+        assert (m.tokens, m.n, m.support) == plain_match(answers, ids, k, min_n), (answers, ids, k, min_n)
+
+
+def test_ids_past_16_bits_and_the_file_round_trip(tmp_path):
+    answers = [[70_000, 5, 100_000, 7], [5, 100_000, 8]]
+    c = Corpus.from_answers(answers)
+    assert c.bits == 32 and c.match([1, 5, 100_000], 2).tokens == [7]  # a tie between 7 and 8: the smaller
+    c.save(tmp_path / "c.npz")
+    assert [a.tolist() for a in Corpus.load(tmp_path / "c.npz").answers()] == answers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npz"]  # written atomically, no temporary left
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(DFlashError, match="corpus"):
+        Corpus.load(tmp_path / "bad.npz")
+    with pytest.raises(DFlashError):
+        Corpus(np.array([[1, 2]]))
+    with pytest.raises(DFlashError):
+        LookupParams(max_tokens=4, corpus_n=-1)
+
+
+class Row:
+    """What `LookupProposer.propose` reads of a sequence."""
+
+    def __init__(self, tokens):
+        self.tokens, self.finished = np.asarray(tokens), False
+
+    def history(self):
+        return self.tokens
+
+    def suffixes(self, max_n):
+        return None
+
+
+def test_the_branch_copies_from_the_corpus_only_where_the_rows_own_match_is_short():
+    corpus = Corpus.from_answers([[1, 2, 3, 4, 5, 6]])
+    params = LookupParams(max_tokens=3, skip_drafter_n=2, corpus_n=2)
+    rows = [Row([9, 2, 3]), Row([2, 3, 9, 2, 3]), Row([9, 8])]
+    p = LookupProposer(params, corpus).propose(rows, "cpu")
+    # row 0: no match of its own -> the corpus; row 1: its own [2, 3] match; row 2: nothing anywhere
+    assert p.tokens == [[4, 5, 6], [9, 2, 3], []] and p.corpus == [True, False, False]
+    assert [p.key(r) for r in range(3)] == ["corpus-2", 2, 0]
+    assert not p.skips_drafter  # a corpus match never skips the drafter, however long
+    off = LookupProposer(LookupParams(max_tokens=3, corpus_n=0), corpus).propose(rows, "cpu")
+    assert off.tokens[0] == [] and off.corpus == [False] * 3
+    acc = Acceptance()
+    assert acc.lookup_rate("corpus-2") < acc.lookup_rate(2)  # a corpus match is trusted less a priori
+    acc.observe_lookup("corpus-2", [4, 5, 6], [4, 5, 7])
+    assert acc.lookup_tried == {"corpus-2": 3} and acc.lookup_right == {"corpus-2": 2}
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_greedy_stays_exact_and_the_corpus_is_accepted(arch, policy, tmp_path):
+    """The corpus holds this target's answers to these prompts (as if it had answered them before): its copies are
+    accepted and the output is still AR's, in a batch and alone; a corpus of noise changes nothing either. The
+    corpus also travels with a drafter directory (`corpus.npz`)."""
+    t = make_target(arch)
+    dr = make_drafter(t, block_size=4)
+    ar, ref = reference_runs(DFlashEngine(t, dr, eos_token_ids=[]), PROMPTS, 30)
+    config = DecodeConfig(lookup=LookupParams(max_tokens=6, corpus_n=2), policy=policy)
+    dr_dir = tmp_path / "drafter"
+    save_drafter(dr, dr_dir)
+    Corpus.from_answers([g.tokens for g in ar]).save(dr_dir / CORPUS)
+    loaded = load_drafter(dr_dir, dtype=next(dr.parameters()).dtype)
+    rng = np.random.default_rng(0)
+    noise = Corpus.from_answers([rng.integers(0, t.vocab_size, 40) for _ in range(20)])
+    taus = {}
+    for name, eng in (("own", DFlashEngine(t, loaded, eos_token_ids=[], config=config)),
+                      ("noise", DFlashEngine(t, dr, eos_token_ids=[], config=config, corpus=noise)),
+                      ("off", DFlashEngine(t, dr, eos_token_ids=[], config=config.replace(
+                          lookup=LookupParams(max_tokens=6))))):
+        batch = eng.generate(PROMPTS, max_new_tokens=30)
+        assert [g.tokens for g in batch] == [g.tokens for g in ar], name
+        assert eng.generate(PROMPTS[1:2], max_new_tokens=30)[0].tokens == ar[1].tokens, name
+        taus[name] = sum(g.stats.tau for g in batch) / len(batch)
+    assert taus["own"] > taus["off"] + (0.5 if policy == "fixed" else 0.1), taus  # adaptive: pays for less
+
+
+def test_seeded_sampling_with_the_corpus_returns_seeded_plain_decodings_tokens():
+    """The corpus proposes fixed tokens like any lookup: a seeded row still commits exactly the tokens plain
+    decoding with the same seed commits (the distribution test is in test_sampling)."""
+    t = make_target("llama")
+    dr = make_drafter(t, block_size=4)
+    params = SamplingParams(temperature=0.8, seed=11)
+    plain = DFlashEngine(t, dr, eos_token_ids=[])
+    ar = plain.generate(PROMPTS, sampling=params, max_new_tokens=30, config=DecodeConfig.autoregressive())
+    eng = DFlashEngine(t, dr, eos_token_ids=[], corpus=Corpus.from_answers([g.tokens for g in ar]),
+                       config=DecodeConfig(lookup=LookupParams(max_tokens=6, corpus_n=2)))
+    out = eng.generate(PROMPTS, sampling=params, max_new_tokens=30)
+    assert [g.tokens for g in out] == [g.tokens for g in ar]
+    assert max(a for g in out for a in g.stats.accepted) >= 3
