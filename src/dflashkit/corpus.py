@@ -14,7 +14,6 @@ the continuation most of its occurrences share, token by token.
 
 from __future__ import annotations
 
-import logging
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +21,6 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DFlashError
-
-log = logging.getLogger(__name__)
 
 MAX_N = 8  # the deepest match the index sorts by (and so the longest suffix a query matches)
 SAMPLED = 64  # occurrences read to choose the continuation (evenly spaced over the match's range)
@@ -84,12 +81,8 @@ class Corpus:
     @classmethod
     def from_shards(cls, shards: list) -> "Corpus":
         """The answers (prompts left out) of `dflashkit data generate`'s shards (`data.load_shards`)."""
-        answers = []
-        for shard in shards:
-            for i in range(len(shard.prompt_lens)):
-                a, b = shard.offsets[i], shard.offsets[i + 1]
-                answers.append(shard.tokens[a + shard.prompt_lens[i]:b])  # the answer: past the prompt
-        return cls.from_answers(answers)
+        examples = (s.example(i) for s in shards for i in range(len(s)))
+        return cls.from_answers([toks[plen:] for toks, plen in examples])  # the answer: past the prompt
 
     def answers(self) -> list[np.ndarray]:
         t = self.padded[MAX_N:MAX_N + self.size].astype(np.int64) - 1
@@ -97,7 +90,7 @@ class Corpus:
         return [t[a + 1:b] for a, b in zip(np.r_[-1, cuts[:-1]], cuts)]
 
     def save(self, path: str | Path) -> None:
-        """An .npz of the answers (uint16 tokens and their offsets), written atomically."""
+        """An .npz of the answers (tokens in 16 or 32 bits, and their offsets), written atomically."""
         answers = self.answers()
         offsets = np.cumsum([0] + [len(a) for a in answers])
         tmp = Path(f"{path}.tmp.npz")

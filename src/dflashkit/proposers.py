@@ -321,10 +321,11 @@ class LookupProposer:
         on = self.params.enabled
         props, corpus = [], []
         for s in seqs:
-            p, n = self.suggest(s.history(), s.suffixes(self.params.max_n)) if on and not s.finished else ([], 0)
-            c = self.corpus is not None and on and not s.finished and n < CORPUS_BELOW
+            h = s.history() if on and not s.finished else None
+            p, n = self.suggest(h, s.suffixes(self.params.max_n)) if h is not None else ([], 0)
+            c = self.corpus is not None and h is not None and n < CORPUS_BELOW
             if c:
-                m = self.corpus.match(s.history(), self.params.max_tokens, self.params.corpus_n)
+                m = self.corpus.match(h, self.params.max_tokens, self.params.corpus_n)
                 c = m.n > 0
                 p, n = (m.tokens, m.n) if c else (p, n)
             props.append((p, n))

@@ -76,7 +76,7 @@ class AdaptivePolicy:
         lk = view.lookup()
         rec.factor = [self._history(k).factor() for k in view.keys]
         rec.props, rec.lookup_keys = lk.tokens, [lk.key(r) for r in range(view.rows)]
-        rec.values = self._lookup_values(lk.tokens, rec.lookup_keys, lk.matched, view.live, rec.factor)
+        rec.values = self._lookup_values(lk.tokens, rec.lookup_keys, view.live, rec.factor)
         cost_of = self.cost.pass_curve(view.rows, view.ctx)
         cut = best_cut(rec.values, live, cost_of, margin=MARGIN)
         if view.drafter and not lk.skips_drafter and self._wants_drafter(view, rec, cut, cost_of):
@@ -169,12 +169,12 @@ class AdaptivePolicy:
             self.histories.move_to_end(key)
         return h
 
-    def _lookup_values(self, props: list, keys: list, matched: list, live: list[bool], factor: list) -> np.ndarray:
+    def _lookup_values(self, props: list, keys: list, live: list[bool], factor: list) -> np.ndarray:
         """Each row's lookup nodes' expected acceptance [b, 1 + k]: rate(key)^j for its j-th copied token, times
         the row's factor, at most 1; -inf past its proposal (and for finished rows), ANCHOR in column 0."""
         k = max((len(p) for p in props), default=0)
         lens = np.array([len(p) if on else 0 for p, on in zip(props, live)])
-        rates = np.array([self.acc.lookup_rate(key) if n else 0.0 for key, n in zip(keys, matched)])
+        rates = np.array([self.acc.lookup_rate(key) if key else 0.0 for key in keys])  # key 0: no match
         j = np.arange(1, k + 1)
         vals = np.minimum(rates[:, None] ** j[None] * np.asarray(factor)[:, None], 1.0)
         v = np.full((len(live), 1 + k), ANCHOR)
