@@ -99,21 +99,24 @@ def main() -> int:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--quant", default=None, help="int4: the GGUF's own Q4_1 codes (the lean backend)")
     ap.add_argument("--drafter", default=None, help="a drafter directory (default: the bundled one), e.g. DFlash2")
+    ap.add_argument("--dataset", default="humaneval", help="prompts from this benchmark set (e.g. sharegpt-heldout)")
+    ap.add_argument("--configs", default="ar,chain,default", help="which of ar, chain, default to profile")
     ap.add_argument("--out", default="bench/results/step-profile")
     args = ap.parse_args()
     target, tok, drafter, _ = load_models(drafter=args.drafter, dtype=args.dtype, backend=args.backend,
                                           quant=args.quant)
-    prompts = [encode_chat(tok, t[0]) for t in load_dataset("humaneval", args.prompts)]
-    configs = {"ar": DecodeConfig.autoregressive(), "chain": DecodeConfig(), "default": DecodeConfig.recommended()}
+    prompts = [encode_chat(tok, t[0]) for t in load_dataset(args.dataset, args.prompts)]
+    every = {"ar": DecodeConfig.autoregressive(), "chain": DecodeConfig(), "default": DecodeConfig.recommended()}
+    configs = {name: every[name] for name in args.configs.split(",")}
     rows = {name: profile(target, drafter, tok, c, prompts, args.max_new_tokens) for name, c in configs.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"backend": getattr(target, "engine_name", type(target).__name__), "dtype": args.dtype,
             "drafter": args.drafter or "bundled", "drafter_arch": drafter.config.arch,
-            "quant": args.quant, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+            "quant": args.quant, "dataset": args.dataset, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
             "command": " ".join(sys.argv)}
     (out / "profile.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    lines = [f"ms per step ({meta['backend']}, {args.dtype}, {args.prompts} HumanEval prompts decoded alone, "
+    lines = [f"ms per step ({meta['backend']}, {args.dtype}, {args.prompts} {args.dataset} prompts decoded alone, "
              f"{args.max_new_tokens} tokens; `{meta['command']}`)", "", "| config | " + " | ".join(PARTS) + " | tokens/step | tok/s |",
              "|---" * (len(PARTS) + 3) + "|"]
     for name, r in rows.items():

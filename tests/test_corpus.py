@@ -10,7 +10,7 @@ import pytest
 from conftest import make_drafter, make_target
 from dflashkit import DecodeConfig, DFlashEngine, DFlashError, SamplingParams
 from dflashkit.checkpoint import CORPUS, load_drafter, save_drafter
-from dflashkit.corpus import MAX_N, Corpus
+from dflashkit.corpus import MAX_N, Corpus, CorpusMatch
 from dflashkit.lookup import LookupParams
 from dflashkit.policy.acceptance import Acceptance
 from dflashkit.proposers import LookupProposer
@@ -151,3 +151,34 @@ def test_seeded_sampling_with_the_corpus_returns_seeded_plain_decodings_tokens()
     out = eng.generate(PROMPTS, sampling=params, max_new_tokens=30)
     assert [g.tokens for g in out] == [g.tokens for g in ar]
     assert max(a for g in out for a in g.stats.accepted) >= 3
+
+
+def test_the_engine_builds_the_index_at_start_only_when_its_config_asks_the_corpus():
+    t = make_target("llama")
+    dr = make_drafter(t, block_size=4)
+    on, off = Corpus.from_answers([[1, 2, 3, 4]]), Corpus.from_answers([[1, 2, 3, 4]])
+    DFlashEngine(t, dr, corpus=on, config=DecodeConfig(lookup=LookupParams(max_tokens=4, corpus_n=2)))
+    DFlashEngine(t, dr, corpus=off, config=DecodeConfig(lookup=LookupParams(max_tokens=4)))
+    assert on.order is not None and off.order is None  # `off` still indexes itself on a first match
+    assert off.match([9, 2, 3], 2, 2).tokens == [4]
+
+
+def test_the_script_writes_a_drafters_corpus_from_data_shards(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dflashkit.data import TokenShard
+
+    data, drafter = tmp_path / "data", tmp_path / "drafter"
+    data.mkdir()
+    drafter.mkdir()
+    # two examples: prompt [7, 7] then answer [1, 2, 3, 5]; prompt [8] then answer [2, 3, 5, 6]
+    TokenShard.from_examples([([7, 7, 1, 2, 3, 5], 2, "a"), ([8, 2, 3, 5, 6], 1, "b")]).save(data / "train-00000.npz")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "lookup_corpus.py"
+    out = subprocess.run([sys.executable, str(script), str(data), str(drafter)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    corpus = Corpus.load(drafter / CORPUS)
+    assert [a.tolist() for a in corpus.answers()] == [[1, 2, 3, 5], [2, 3, 5, 6]]  # the answers, prompts left out
+    assert corpus.match([4, 2, 3], 4, 2) == CorpusMatch([5], 2, 2)  # then an answer's end ties with 6: it stops

@@ -224,6 +224,7 @@ def test_cli_generate_json_and_stop_string():
     (["--tree-min-prob", "1.5"], "tree_min_prob"),
     (["--draft-vocab", "99999"], "exceeds"),
     (["--lookup-per-n", "-2"], "tokens_per_n"),
+    (["--lookup-corpus", "-1"], "corpus_n"),
 ])
 def test_cli_bad_input_names_the_remedy(argv, message):
     out = subprocess.run([sys.executable, "-m", "dflashkit.cli", "generate", "--prompt", "hi", "--max-new-tokens", "4"]

@@ -53,6 +53,13 @@ class Corpus:
         self.size, self.top = int(t.size), top
         self.order = self.starts = None  # the index, sorted on first use (~1.4 s for 3.3 M tokens)
 
+    def prepare(self) -> "Corpus":
+        """Build the index now (~1.4 s for 3.3 M tokens) rather than on the first `match`, e.g. at engine start,
+        so the first request does not wait for it."""
+        if self.order is None:
+            self._index()
+        return self
+
     def _index(self) -> None:
         pos = np.arange(self.size, dtype=np.int64) + MAX_N  # positions in `padded`
         per = 64 // self.bits  # tokens per 64-bit sort key
@@ -110,8 +117,7 @@ class Corpus:
     def match(self, ids: list[int] | np.ndarray, max_tokens: int, min_n: int = 1) -> CorpusMatch:
         """ids: the committed sequence, its last token the anchor -> the continuation of its longest suffix
         (at most MAX_N tokens) found in the corpus, if at least `min_n` long."""
-        if self.order is None:
-            self._index()
+        self.prepare()
         ids = np.asarray(ids)
         if ids.size == 0 or max_tokens <= 0:
             return CorpusMatch([], 0, 0)

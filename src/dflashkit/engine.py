@@ -66,6 +66,8 @@ class DFlashEngine:
         self._proposers: dict[tuple, DrafterProposer] = {}
         self.drafter_factory, self.lookup_factory = DrafterProposer, LookupProposer
         self.config = self.resolve(config if config is not None else DecodeConfig.recommended())
+        if self.corpus is not None and self.config.lookup.corpus_n:
+            self.corpus.prepare()  # its index, at start rather than in the first request's first step
         if eos_token_ids is None:
             eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
             eos_token_ids = [] if eos is None else [eos]
