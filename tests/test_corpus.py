@@ -12,7 +12,7 @@ from dflashkit import DecodeConfig, DFlashEngine, DFlashError, SamplingParams
 from dflashkit.checkpoint import CORPUS, load_drafter, save_drafter
 from dflashkit.corpus import MAX_N, Corpus, CorpusMatch
 from dflashkit.lookup import LookupParams
-from dflashkit.policy.acceptance import Acceptance
+from dflashkit.policy.acceptance import Acceptance, lookup_prior
 from dflashkit.proposers import LookupProposer
 from test_engine import PROMPTS, reference_runs
 
@@ -101,14 +101,31 @@ def test_the_branch_copies_from_the_corpus_only_where_the_rows_own_match_is_shor
     p = LookupProposer(params, corpus).propose(rows, "cpu")
     # row 0: no match of its own -> the corpus; row 1: its own [2, 3] match; row 2: nothing anywhere
     assert p.tokens == [[4, 5, 6], [9, 2, 3], []] and p.corpus == [True, False, False]
-    assert [p.key(r) for r in range(3)] == ["corpus-2", 2, 0]
+    assert [p.key(r) for r in range(3)] == ["corpus-2-one", 2, 0]  # one occurrence of [2, 3] in the corpus
     assert not p.skips_drafter  # a corpus match never skips the drafter, however long
     off = LookupProposer(LookupParams(max_tokens=3, corpus_n=0), corpus).propose(rows, "cpu")
     assert off.tokens[0] == [] and off.corpus == [False] * 3
     acc = Acceptance()
-    assert acc.lookup_rate("corpus-2") < acc.lookup_rate(2)  # a corpus match is trusted less a priori
-    acc.observe_lookup("corpus-2", [4, 5, 6], [4, 5, 7])
-    assert acc.lookup_tried == {"corpus-2": 3} and acc.lookup_right == {"corpus-2": 2}
+    assert acc.lookup_rate("corpus-2-one") < acc.lookup_rate(2)  # a corpus match is trusted less a priori
+    acc.observe_lookup("corpus-2-one", [4, 5, 6], [4, 5, 7])
+    assert acc.lookup_tried == {"corpus-2-one": 3} and acc.lookup_right == {"corpus-2-one": 2}
+
+
+def test_a_copy_is_keyed_by_how_far_the_corpus_agrees_on_it():
+    """`CorpusMatch.agreement`: the share of the occurrences read that continue with the proposal's first token;
+    the policy's prior trusts an agreed copy more than a long match, and a disputed one less."""
+    def corpus(after: list[int]):  # one answer [2, 3, t] per t
+        return Corpus.from_answers([[2, 3, t] for t in after])
+    got = {name: corpus(after).match([9, 2, 3], 1, 2) for name, after in
+           (("one", [4]), ("hi", [4] * 10), ("mid", [4] * 6 + [5] * 4), ("lo", [4] * 2 + [5] + [6] + [7]))}
+    assert {name: (m.agreement, m.tokens, m.support, m.occurrences) for name, m in got.items()} == {
+        "one": ("one", [4], 1, 1), "hi": ("hi", [4], 10, 10), "mid": ("mid", [4], 6, 10), "lo": ("lo", [4], 2, 5)}
+    big = corpus([4] * 100 + [5] * 11)  # more occurrences than are read: the share of the SAMPLED read
+    m = big.match([9, 2, 3], 1, 2)
+    assert m.occurrences == 64 and m.tokens == [4] and m.agreement == "hi"
+    rates = {k: lookup_prior(k) for k in ("corpus-2-lo", "corpus-2-mid", "corpus-2-hi", "corpus-8-hi", "corpus-8-one")}
+    assert rates["corpus-2-lo"] < rates["corpus-2-mid"] < rates["corpus-2-hi"] < rates["corpus-8-hi"] <= 0.9
+    assert rates["corpus-8-one"] < rates["corpus-8-hi"]
 
 
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
@@ -181,4 +198,4 @@ def test_the_script_writes_a_drafters_corpus_from_data_shards(tmp_path):
     assert out.returncode == 0, out.stderr
     corpus = Corpus.load(drafter / CORPUS)
     assert [a.tolist() for a in corpus.answers()] == [[1, 2, 3, 5], [2, 3, 5, 6]]  # the answers, prompts left out
-    assert corpus.match([4, 2, 3], 4, 2) == CorpusMatch([5], 2, 2)  # then an answer's end ties with 6: it stops
+    assert corpus.match([4, 2, 3], 4, 2) == CorpusMatch([5], 2, 2, 2)  # then an answer's end ties with 6: it stops

@@ -68,12 +68,15 @@ class LookupProposal:
     tokens: list[list[int]]  # per row: the proposal on the host
     skips_drafter: bool  # every live row matched a suffix of at least `skip_drafter_n`: verify the branch alone
     corpus: list[bool] = field(default_factory=list)  # per row: its proposal came from the corpus (`corpus.py`)
+    agreement: list[str] = field(default_factory=list)  # per corpus row: `CorpusMatch.agreement` ("" elsewhere)
 
     def key(self, row: int) -> int | str:
-        """What the policy calibrates the row's proposal under: its match length, and where it copied from (a
-        corpus match of n tokens predicts less than the sequence's own)."""
+        """What the policy calibrates the row's proposal under: its match length n, and for a corpus copy (which
+        predicts less than the sequence's own) how far the corpus agrees on it: "corpus-n-hi" etc."""
         n = self.matched[row]
-        return f"corpus-{n}" if self.corpus and self.corpus[row] else n
+        if self.corpus and self.corpus[row]:
+            return f"corpus-{n}-{self.agreement[row]}" if self.agreement else f"corpus-{n}"
+        return n
 
 
 def propose(tokens: list[int] | np.ndarray, params: LookupParams) -> tuple[list[int], int]:
