@@ -161,4 +161,5 @@ class Corpus:
                 support = int(counts[best])
             out.append(int(vals[best]) - 1)
             nxt = nxt[nxt[:, j] == vals[best]]
-        return CorpusMatch(out, n, support, len(pick)) if out else CorpusMatch([], 0, 0)  # a match with nothing to copy: none
+        # a match with nothing to copy: none
+        return CorpusMatch(out, n, support, len(pick)) if out else CorpusMatch([], 0, 0)
