@@ -103,6 +103,9 @@ def main() -> int:
     ap.add_argument("--configs", default="ar,chain,default", help="which of ar, chain, default to profile")
     ap.add_argument("--out", default="bench/results/step-profile")
     args = ap.parse_args()
+    unknown = set(args.configs.split(",")) - {"ar", "chain", "default"}
+    if unknown:
+        ap.error(f"--configs: unknown {sorted(unknown)}; choose from ar, chain, default")
     target, tok, drafter, _ = load_models(drafter=args.drafter, dtype=args.dtype, backend=args.backend,
                                           quant=args.quant)
     prompts = [encode_chat(tok, t[0]) for t in load_dataset(args.dataset, args.prompts)]
@@ -113,8 +116,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"backend": getattr(target, "engine_name", type(target).__name__), "dtype": args.dtype,
             "drafter": args.drafter or "bundled", "drafter_arch": drafter.config.arch,
-            "quant": args.quant, "dataset": args.dataset, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
-            "command": " ".join(sys.argv)}
+            "quant": args.quant, "dataset": args.dataset, "prompts": args.prompts,
+            "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}
     (out / "profile.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"ms per step ({meta['backend']}, {args.dtype}, {args.prompts} {args.dataset} prompts decoded alone, "
              f"{args.max_new_tokens} tokens; `{meta['command']}`)", "", "| config | " + " | ".join(PARTS) + " | tokens/step | tok/s |",

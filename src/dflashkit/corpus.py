@@ -121,10 +121,13 @@ class Corpus:
         try:
             with np.load(path) as z:
                 tokens, offsets = z["tokens"].astype(np.int64), z["offsets"]
-        except (OSError, KeyError, ValueError) as e:
+            if offsets.size < 2:
+                raise ValueError("no answers")
+            joined = np.insert(tokens, offsets[1:], -1)  # a -1 after each answer, as `from_answers` joins them
+        except (OSError, KeyError, ValueError, IndexError) as e:
             raise DFlashError(f"cannot read the lookup corpus {path} ({e}); write it again with `Corpus.save` or "
                               "move it out of the drafter's directory.") from None
-        return cls.from_answers([tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])])
+        return cls(joined)
 
     def match(self, ids: list[int] | np.ndarray, max_tokens: int, min_n: int = 1) -> CorpusMatch:
         """ids: the committed sequence, its last token the anchor -> the continuation of its longest suffix

@@ -67,16 +67,20 @@ class LookupProposal:
     matched: list[int]  # per row: the length of the suffix that matched (0: no proposal)
     tokens: list[list[int]]  # per row: the proposal on the host
     skips_drafter: bool  # every live row matched a suffix of at least `skip_drafter_n`: verify the branch alone
-    corpus: list[bool] = field(default_factory=list)  # per row: its proposal came from the corpus (`corpus.py`)
-    agreement: list[str] = field(default_factory=list)  # per corpus row: `CorpusMatch.agreement` ("" elsewhere)
+    # per row: `CorpusMatch.agreement` where the proposal came from the corpus (`corpus.py`), "" where not
+    agreement: list[str] = field(default_factory=list)
+
+    @property
+    def corpus(self) -> list[bool]:
+        """Per row: its proposal came from the corpus."""
+        return [bool(a) for a in self.agreement]
 
     def key(self, row: int) -> int | str:
         """What the policy calibrates the row's proposal under: its match length n, and for a corpus copy (which
         predicts less than the sequence's own) how far the corpus agrees on it: "corpus-n-hi" etc."""
         n = self.matched[row]
-        if self.corpus and self.corpus[row]:
-            return f"corpus-{n}-{self.agreement[row]}" if self.agreement else f"corpus-{n}"
-        return n
+        agree = self.agreement[row] if self.agreement else ""
+        return f"corpus-{n}-{agree}" if agree else n
 
 
 def propose(tokens: list[int] | np.ndarray, params: LookupParams) -> tuple[list[int], int]:

@@ -319,17 +319,16 @@ class LookupProposer:
     def propose(self, seqs: list, device: torch.device) -> LookupProposal:
         """Every row's proposal; the branch is never wider than the longest one."""
         on = self.params.enabled
-        props, corpus, agreement = [], [], []
+        props, agreement = [], []
         for s in seqs:
             h = s.history() if on and not s.finished else None
             p, n = self.suggest(h, s.suffixes(self.params.max_n)) if h is not None else ([], 0)
-            c, agree = self.corpus is not None and h is not None and n < CORPUS_BELOW, ""
-            if c:
+            agree = ""
+            if self.corpus is not None and h is not None and n < CORPUS_BELOW:
                 m = self.corpus.match(h, self.params.max_tokens, self.params.corpus_n)
-                c = m.n > 0
-                p, n, agree = (m.tokens, m.n, m.agreement) if c else (p, n, "")
+                if m.n:
+                    p, n, agree = m.tokens, m.n, m.agreement
             props.append((p, n))
-            corpus.append(c)
             agreement.append(agree)
         k = max((len(p) for p, _ in props), default=0)
         branch = np.zeros((len(seqs), k), dtype=np.int64)
@@ -337,9 +336,9 @@ class LookupProposer:
             branch[i, :len(p)] = p
         lengths = torch.tensor([len(p) for p, _ in props], device=device)
         matched = [n for _, n in props]
-        own = [0 if c else n for n, c in zip(matched, corpus)]  # only the row's own matches may skip the drafter
+        own = [0 if a else n for n, a in zip(matched, agreement)]  # only the row's own matches may skip the drafter
         return LookupProposal(torch.from_numpy(branch).to(device), lengths, matched, [p for p, _ in props],
-                              self.skips_drafter(own, seqs), corpus, agreement)
+                              self.skips_drafter(own, seqs), agreement)
 
     def suggest(self, tokens: np.ndarray, index: SuffixIndex | None = None) -> tuple[list[int], int]:
         """One row's (proposal, matched suffix length) for its committed tokens, through the row's n-gram index

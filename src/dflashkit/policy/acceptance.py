@@ -25,16 +25,15 @@ def lookup_prior(key: int | str) -> float:
     0.47 / 0.76 / 0.90 for n = 1-4 over both benchmark sets). A corpus match ("corpus-n-agreement") predicts less,
     and by how far the corpus agrees more than by n (first token right, held-out ShareGPT prompts, the train
     answers as corpus): "lo" 0.17-0.26, "mid" 0.37-0.57, "hi" 0.53 / 0.69 / 0.75 / 0.94 for n = 2 / 4 / 6 / 8 ->
-    0.45 + 0.05 n (at most 0.9), "one" (a single occurrence) 0.22 / 0.42 / 0.53 / 0.89 -> 0.1 + 0.06 n (at most
-    0.7). "corpus-n" without an agreement: 0.2 + 0.06 n (at most 0.7)."""
+    0.45 + 0.05 n (at most 0.9), "one" (a single occurrence) 0.22 / 0.42 / 0.53 / 0.89 -> 0.2 + 0.06 n (at most
+    0.7)."""
     if isinstance(key, str):
-        parts = key.split("-")
-        n, agree = int(parts[1]), parts[2] if len(parts) > 2 else ""
+        _, n, agree = key.split("-")
         if agree == "hi":
-            return min(0.45 + 0.05 * n, 0.9)
+            return min(0.45 + 0.05 * int(n), 0.9)
         if agree in CORPUS_PRIOR:
             return CORPUS_PRIOR[agree]
-        return min(0.2 + 0.06 * n, 0.7)  # "one", or no agreement given
+        return min(0.2 + 0.06 * int(n), 0.7)  # "one"
     return min(0.2 * key, 0.9)
 
 
@@ -67,7 +66,7 @@ class Acceptance:
         return t[torch.bucketize(p.float().contiguous(), torch.tensor(PROB_EDGES, device=p.device))]
 
     def lookup_rate(self, key: int | str) -> float:
-        """key: a match length n (the sequence's own lookup) or "corpus-n" (`LookupProposal.key`)."""
+        """key: a match length n (the sequence's own lookup) or "corpus-n-agreement" (`LookupProposal.key`)."""
         tried, right = self.lookup_tried.get(key, 0), self.lookup_right.get(key, 0)
         return (right + 4 * lookup_prior(key)) / (tried + 4)
 
