@@ -12,10 +12,8 @@ from dflashkit import DecodeConfig, DFlashEngine, DFlashError, SamplingParams
 from dflashkit.checkpoint import CORPUS, load_drafter, save_drafter
 from dflashkit.corpus import MAX_N, Corpus, CorpusMatch
 from dflashkit.lookup import LookupParams
-from dflashkit.policy import AdaptivePolicy
 from dflashkit.policy.acceptance import Acceptance, lookup_prior
 from dflashkit.proposers import LookupProposer
-from dflashkit.step_cost import VERIFY_GRID, CostModel
 from test_engine import PROMPTS, reference_runs
 
 
@@ -128,28 +126,6 @@ def test_a_copy_is_keyed_by_how_far_the_corpus_agrees_on_it():
     rates = {k: lookup_prior(k) for k in ("corpus-2-lo", "corpus-2-mid", "corpus-2-hi", "corpus-8-hi", "corpus-8-one")}
     assert rates["corpus-2-lo"] < rates["corpus-2-mid"] < rates["corpus-2-hi"] < rates["corpus-8-hi"] <= 0.9
     assert rates["corpus-8-one"] < rates["corpus-8-hi"]
-
-
-def test_each_later_copied_token_is_keyed_by_how_far_the_corpus_agrees_on_it():
-    """`CorpusMatch.following`: where the corpus's continuation forks, the tokens past the fork are keyed by the
-    share of the occurrences (those agreeing on every token before) that continue with them; the policy values a
-    copy's j-th token by the product of its tokens' rates, and learns each token under its own key."""
-    corpus = Corpus.from_answers([[2, 3, 4, 5, 8]] * 9 + [[2, 3, 4, 6, 8]] * 6 + [[2, 3, 7, 5, 8]])
-    m = corpus.match([9, 2, 3], 3, 2)  # 15 of 16 continue with 4; of those 9 with 5; all of those with 8
-    assert (m.tokens, m.agreement, m.following) == ([4, 5, 8], "hi", ["mid", "hi"])
-    p = LookupProposer(LookupParams(max_tokens=3, corpus_n=2), corpus).propose([Row([9, 2, 3]), Row([2, 3, 9, 2, 3])],
-                                                                               "cpu")
-    assert p.keys(0) == ["corpus-2-hi", "corpus-next-mid", "corpus-next-hi"]
-    assert p.keys(1) == [2, 2, 2]  # the row's own match: one key for every token
-    pol = AdaptivePolicy(CostModel([1.0 + n for n in VERIFY_GRID], 0.0, [1.0] * 3, learn=False))
-    vals = pol._lookup_values(p.tokens, [p.keys(0), p.keys(1)], [True, True], [1.0, 1.0])
-    r = [pol.acc.lookup_rate(k) for k in p.keys(0)]
-    assert np.allclose(vals[0, 1:], np.cumprod(r))
-    assert np.allclose(vals[1, 1:], pol.acc.lookup_rate(2) ** np.arange(1, 4))
-    assert lookup_prior("corpus-next-lo") < lookup_prior("corpus-next-mid") < lookup_prior("corpus-next-hi")
-    pol.acc.observe_lookup(p.keys(0), [4, 5, 8], [4, 6])  # the fork went the other way: 5 was wrong
-    assert pol.acc.lookup_tried == {"corpus-2-hi": 1, "corpus-next-mid": 1}
-    assert pol.acc.lookup_right == {"corpus-2-hi": 1}
 
 
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])

@@ -69,8 +69,6 @@ class LookupProposal:
     skips_drafter: bool  # every live row matched a suffix of at least `skip_drafter_n`: verify the branch alone
     # per row: `CorpusMatch.agreement` where the proposal came from the corpus (`corpus.py`), "" where not
     agreement: list[str] = field(default_factory=list)
-    # per row: `CorpusMatch.following` (how far the corpus agrees on each copied token after the first), [] where not
-    following: list[list[str]] = field(default_factory=list)
 
     @property
     def corpus(self) -> list[bool]:
@@ -83,17 +81,6 @@ class LookupProposal:
         n = self.matched[row]
         agree = self.agreement[row] if self.agreement else ""
         return f"corpus-{n}-{agree}" if agree else n
-
-    def keys(self, row: int) -> list[int | str]:
-        """The calibration key of each token of the row's proposal. The sequence's own copy: `key` for every token.
-        A corpus copy: `key` for its first token, then "corpus-next-agreement" by how far the corpus agrees on that
-        token given the ones before it. Why per token: a corpus continuation forks. On held-out prompts a later
-        copied token (the ones before it right) is right 0.22 of the time where under half the agreeing
-        occurrences continue with it, 0.87-0.97 where 90 % do, whatever the first token's agreement."""
-        first = self.key(row)
-        later = self.following[row] if self.following and self.agreement[row] else []
-        n = len(self.tokens[row])
-        return [first] + [f"corpus-next-{a}" for a in later][: n - 1] if later else [first] * n
 
 
 def propose(tokens: list[int] | np.ndarray, params: LookupParams) -> tuple[list[int], int]:

@@ -319,18 +319,17 @@ class LookupProposer:
     def propose(self, seqs: list, device: torch.device) -> LookupProposal:
         """Every row's proposal; the branch is never wider than the longest one."""
         on = self.params.enabled
-        props, agreement, following = [], [], []
+        props, agreement = [], []
         for s in seqs:
             h = s.history() if on and not s.finished else None
             p, n = self.suggest(h, s.suffixes(self.params.max_n)) if h is not None else ([], 0)
-            agree, later = "", []
+            agree = ""
             if self.corpus is not None and h is not None and n < CORPUS_BELOW:
                 m = self.corpus.match(h, self.params.max_tokens, self.params.corpus_n)
                 if m.n:
-                    p, n, agree, later = m.tokens, m.n, m.agreement, m.following
+                    p, n, agree = m.tokens, m.n, m.agreement
             props.append((p, n))
             agreement.append(agree)
-            following.append(later)
         k = max((len(p) for p, _ in props), default=0)
         branch = np.zeros((len(seqs), k), dtype=np.int64)
         for i, (p, _) in enumerate(props):
@@ -339,7 +338,7 @@ class LookupProposer:
         matched = [n for _, n in props]
         own = [0 if a else n for n, a in zip(matched, agreement)]  # only the row's own matches may skip the drafter
         return LookupProposal(torch.from_numpy(branch).to(device), lengths, matched, [p for p, _ in props],
-                              self.skips_drafter(own, seqs), agreement, following)
+                              self.skips_drafter(own, seqs), agreement)
 
     def suggest(self, tokens: np.ndarray, index: SuffixIndex | None = None) -> tuple[list[int], int]:
         """One row's (proposal, matched suffix length) for its committed tokens, through the row's n-gram index

@@ -18,9 +18,6 @@ ROW_PRIOR, ROW_DECAY = 3.0, 0.9  # a row's own correction (`RowHistory`): pseudo
 
 
 CORPUS_PRIOR = {"lo": 0.18, "mid": 0.4}  # a corpus copy's prior by `CorpusMatch.agreement` (hi, one: by n below)
-# a corpus copy's later token, the ones before it right, by `CorpusMatch.following` (held-out ShareGPT prompts, the
-# train answers as corpus: lo 0.22-0.31, mid 0.49-0.53, one 0.76-0.96, hi 0.87-0.97 at the 2nd to 6th token)
-NEXT_PRIOR = {"lo": 0.25, "mid": 0.5, "one": 0.8, "hi": 0.9}
 
 
 def lookup_prior(key: int | str) -> float:
@@ -29,11 +26,9 @@ def lookup_prior(key: int | str) -> float:
     and by how far the corpus agrees more than by n (first token right, held-out ShareGPT prompts, the train
     answers as corpus): "lo" 0.17-0.26, "mid" 0.37-0.57, "hi" 0.53 / 0.69 / 0.75 / 0.94 for n = 2 / 4 / 6 / 8 ->
     0.45 + 0.05 n (at most 0.9), "one" (a single occurrence) 0.22 / 0.42 / 0.53 / 0.89 -> 0.2 + 0.06 n (at most
-    0.7). A later token of a corpus copy ("corpus-next-agreement"): `NEXT_PRIOR`."""
+    0.7)."""
     if isinstance(key, str):
         _, n, agree = key.split("-")
-        if n == "next":
-            return NEXT_PRIOR[agree]
         if agree == "hi":
             return min(0.45 + 0.05 * int(n), 0.9)
         if agree in CORPUS_PRIOR:
@@ -81,13 +76,10 @@ class Acceptance:
         np.add.at(self.accepted, bins, np.asarray(accepted, dtype=float))
         np.add.at(self.claimed, bins, p)
 
-    def observe_lookup(self, keys: int | str | list, branch: list[int], committed: list[int]) -> None:
-        """keys: each proposed token's key (`LookupProposal.keys`; one key: every token's); branch: the proposed
-        tokens; committed: the step's tokens (a + 1: what the target chose after the anchor along the accepted
-        path). A copied token counts under its key once the ones before it were right and it was decided."""
-        keys = keys if isinstance(keys, list) else [keys] * len(branch)
+    def observe_lookup(self, key: int | str, branch: list[int], committed: list[int]) -> None:
+        """branch: the proposed tokens; committed: the step's tokens (a + 1: what the target chose after the anchor
+        along the accepted path). A copied token counts once the ones before it were right and it was decided."""
         for j, tok in enumerate(branch[:len(committed)]):
-            key = keys[j]
             self.lookup_tried[key] = self.lookup_tried.get(key, 0) + 1
             if committed[j] != tok:
                 return

@@ -36,7 +36,7 @@ class StepRecord:
     values: np.ndarray | None = None  # [b, 1 + k] the lookup nodes' predicted acceptance (ANCHOR in column 0)
     factor: list[float] = field(default_factory=list)  # per row: `RowHistory.factor` when chosen
     props: list[list[int]] = field(default_factory=list)  # per row: the lookup proposal
-    lookup_keys: list = field(default_factory=list)  # per row: each proposed token's key (`LookupProposal.keys`)
+    lookup_keys: list = field(default_factory=list)  # per row: its proposal's calibration key (`LookupProposal.key`)
     no_draft_rate: float = 0.0  # committed tokens per ms of the best cut without the drafter
     draft_in: tuple = (0, 0, None)  # the drafter's (context, pending features, block), for the cost model
     probe: bool = False  # the drafter runs as a probe
@@ -75,7 +75,7 @@ class AdaptivePolicy:
         t0 = self.clock()
         lk = view.lookup()
         rec.factor = [self._history(k).factor() for k in view.keys]
-        rec.props, rec.lookup_keys = lk.tokens, [lk.keys(r) for r in range(view.rows)]
+        rec.props, rec.lookup_keys = lk.tokens, [lk.key(r) for r in range(view.rows)]
         rec.values = self._lookup_values(lk.tokens, rec.lookup_keys, view.live, rec.factor)
         cost_of = self.cost.pass_curve(view.rows, view.ctx)
         cut = best_cut(rec.values, live, cost_of, margin=MARGIN)
@@ -170,17 +170,13 @@ class AdaptivePolicy:
         return h
 
     def _lookup_values(self, props: list, keys: list, live: list[bool], factor: list) -> np.ndarray:
-        """Each row's lookup nodes' expected acceptance [b, 1 + k]: for its j-th copied token the product of its
-        tokens' rates up to j (each the chance a token is right given the ones before it, by its key: the
-        sequence's own copy has one key, rate^j), times the row's factor, at most 1; -inf past its proposal (and
-        for finished rows), ANCHOR in column 0."""
+        """Each row's lookup nodes' expected acceptance [b, 1 + k]: rate(key)^j for its j-th copied token, times
+        the row's factor, at most 1; -inf past its proposal (and for finished rows), ANCHOR in column 0."""
         k = max((len(p) for p in props), default=0)
         lens = np.array([len(p) if on else 0 for p, on in zip(props, live)])
-        rates = np.zeros((len(props), k))
-        for r, row in enumerate(keys):
-            rates[r, :len(row)] = [self.acc.lookup_rate(key) for key in row]
+        rates = np.array([self.acc.lookup_rate(key) if key else 0.0 for key in keys])  # key 0: no match
         j = np.arange(1, k + 1)
-        vals = np.minimum(np.cumprod(rates, axis=1) * np.asarray(factor)[:, None], 1.0)
+        vals = np.minimum(rates[:, None] ** j[None] * np.asarray(factor)[:, None], 1.0)
         v = np.full((len(live), 1 + k), ANCHOR)
         v[:, 1:] = np.where(j[None] <= lens[:, None], vals, -np.inf)
         return v
