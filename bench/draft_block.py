@@ -81,6 +81,11 @@ def timings(engine, blocks: list[int], ctx: int, repeats: int, inner: int = 5) -
     fns = {"target_1x1": target_step(engine.target, ctx)}
     for rows in (1, 4):
         fns.update({f"draft_{rows}x{b}": step_ms(engine, b, rows, ctx) for b in blocks})
+    return median_ms(fns, repeats, inner)
+
+
+def median_ms(fns: dict, repeats: int, inner: int = 5) -> dict:
+    """ms per call of each callable, the median over `repeats` rounds; each round calls them all back to back."""
     runs: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
         fn()
@@ -93,16 +98,21 @@ def timings(engine, blocks: list[int], ctx: int, repeats: int, inner: int = 5) -
     return {k: round(statistics.median(v), 3) for k, v in runs.items()}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--blocks", default="2,3,4,6,8,16", help="block sizes to compare (16 is always included)")
+def add_run_args(ap: argparse.ArgumentParser, prompts: int) -> None:
+    """The flags this script and bench/draft_vocab.py share: what they decode and how they time."""
     ap.add_argument("--datasets", default="sharegpt-heldout,humaneval,mt-bench-t1")
-    ap.add_argument("--prompts", type=int, default=16, help="per dataset")
+    ap.add_argument("--prompts", type=int, default=prompts, help="per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--time", action="store_true", help="also time the drafting steps (needs a quiet host)")
     ap.add_argument("--repeats", type=int, default=7, help="timing rounds")
     ap.add_argument("--context", type=int, default=176, help="prompt tokens before the timed steps")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--blocks", default="2,3,4,6,8,16", help="block sizes to compare (16 is always included)")
+    add_run_args(ap, prompts=16)
     ap.add_argument("--isa", default="auto", choices=("auto", "avx512bf16", "avx2"),
                     help="rowlinear's instruction path for the timing (`kernels.set_isa`; timings are kept per path)")
     args = ap.parse_args()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ from dflashkit.loader import encode_chat, load_models
 from dflashkit.measurements import cpu_name
 
 sys.path.insert(0, str(Path(__file__).parent))
-from draft_block import step_ms, target_step, tau  # noqa: E402  (bench/ is not a package)
+from draft_block import add_run_args, median_ms, step_ms, target_step, tau  # noqa: E402  (bench/ is not a package)
 
 BLOCKS = (2, 3, 4, 16)
 SHAPES = {"chain": dict(block_size=4, tree=0), "tree": dict(block_size=4, tree=20, tree_min_prob=0.03)}
@@ -55,28 +54,14 @@ def timings(engine, vocabs: list[int], ctx: int, repeats: int, inner: int = 5) -
         for rows in (1, 4):
             fns.update({f"draft_{v}_{rows}x{b}": step_ms(engine, b, rows, ctx) for b in BLOCKS})
     engine.config = base
-    runs: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            runs[k].append((time.perf_counter() - t0) / inner * 1000)
-    return {k: round(statistics.median(v), 3) for k, v in runs.items()}
+    return median_ms(fns, repeats, inner)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--vocabs", default="16384,8192,4096", help="draft vocabularies to compare")
-    ap.add_argument("--datasets", default="sharegpt-heldout,humaneval,mt-bench-t1")
-    ap.add_argument("--prompts", type=int, default=20, help="per dataset")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--time", action="store_true", help="also time the drafting steps (needs a quiet host)")
-    ap.add_argument("--repeats", type=int, default=7, help="timing rounds")
-    ap.add_argument("--context", type=int, default=176, help="prompt tokens before the timed steps")
+    add_run_args(ap, prompts=20)
     args = ap.parse_args()
     vocabs = [int(v) for v in args.vocabs.split(",")]
     if any(v < 1 for v in vocabs):
