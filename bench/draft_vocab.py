@@ -4,7 +4,7 @@
 
 The drafter's logits come from the target's LM head; `DecodeConfig(draft_vocab=N)` reads only the rows of the
 drafter's N most frequent training ids (its token_ranking.json), so a drafting pass reads fewer head bytes (the
-bundled drafter: 18.9 MB of bf16 rows at 16,384 ids, 4.7 MB at 4,096, beside ~37 MB of its layers). A token outside
+bundled drafter: 18.9 MB of bf16 rows at 16,384 ids, 4.7 MB at 4,096, beside ~35 MB of its layers). A token outside
 the N ids is never drafted; verification keeps the full vocabulary, so output is exact at any N.
 1. Acceptance (counts, no quiet host needed): the bundled drafter's plain chain at block 4 and the default's
    20-node tree at block 4 (every step drafted, the fixed policy, greedy, bf16) on prompts never tuned on, per
