@@ -38,9 +38,13 @@ from dflashkit.measurements import cpu_name
 from dflashkit.proposers import DraftView
 
 
-def accepted_lengths(engine, prompts: list[list[int]], max_new: int, block: int, ar: list) -> dict:
-    """Every chain step's accepted draft count a at block `block`, and how many outputs differ from AR's."""
-    config = DecodeConfig(block_size=block, policy="fixed", draft_vocab=None)
+def chain(block: int) -> DecodeConfig:
+    """The drafter's plain chain at block `block`, every step drafted, over its default draft vocabulary."""
+    return DecodeConfig(block_size=block, policy="fixed", draft_vocab=None)
+
+
+def accepted_lengths(engine, prompts: list[list[int]], max_new: int, config: DecodeConfig, ar: list) -> dict:
+    """Every step's accepted draft count a under `config`, and how many outputs differ from AR's."""
     gens = engine.generate(prompts, max_new_tokens=max_new, config=config)
     return {"accepted": [a for g in gens for a in g.stats.accepted],
             "differ_from_ar": sum(g.tokens != r.tokens for g, r in zip(gens, ar))}
@@ -135,7 +139,7 @@ def main() -> int:
             continue
         prompts = [encode_chat(tok, it[0]) for it in load_dataset(name, args.prompts)]
         ar = engine.generate(prompts, max_new_tokens=args.max_new_tokens, config=DecodeConfig.autoregressive())
-        acc[name] = {str(b): accepted_lengths(engine, prompts, args.max_new_tokens, b, ar) for b in blocks}
+        acc[name] = {str(b): accepted_lengths(engine, prompts, args.max_new_tokens, chain(b), ar) for b in blocks}
         path.write_text(json.dumps(res) + "\n")
         print(name, {b: tau(r["accepted"]) for b, r in acc[name].items()}, flush=True)
     if args.time:

@@ -31,18 +31,10 @@ from dflashkit.loader import encode_chat, load_models
 from dflashkit.measurements import cpu_name
 
 sys.path.insert(0, str(Path(__file__).parent))
-from draft_block import add_run_args, median_ms, step_ms, target_step, tau  # noqa: E402  (bench/ is not a package)
+from draft_block import accepted_lengths, add_run_args, median_ms, step_ms, target_step, tau  # noqa: E402  (bench/ is not a package)
 
 BLOCKS = (2, 3, 4, 16)
 SHAPES = {"chain": dict(block_size=4, tree=0), "tree": dict(block_size=4, tree=20, tree_min_prob=0.03)}
-
-
-def accepted(engine, prompts: list, max_new: int, vocab: int, shape: str, ar: list) -> dict:
-    """Every step's accepted draft count with `shape` drafted over `vocab` ids, and outputs differing from AR."""
-    config = DecodeConfig(policy="fixed", draft_vocab=vocab, **SHAPES[shape])
-    gens = engine.generate(prompts, max_new_tokens=max_new, config=config)
-    return {"accepted": [a for g in gens for a in g.stats.accepted],
-            "differ_from_ar": sum(g.tokens != r.tokens for g, r in zip(gens, ar))}
 
 
 def timings(engine, vocabs: list[int], ctx: int, repeats: int, inner: int = 5) -> dict:
@@ -84,7 +76,8 @@ def main() -> int:
             continue
         prompts = [encode_chat(tok, it[0]) for it in load_dataset(name, args.prompts)]
         ar = engine.generate(prompts, max_new_tokens=args.max_new_tokens, config=DecodeConfig.autoregressive())
-        acc[name] = {f"{shape}-{v}": accepted(engine, prompts, args.max_new_tokens, v, shape, ar)
+        acc[name] = {f"{shape}-{v}": accepted_lengths(engine, prompts, args.max_new_tokens,
+                                                      DecodeConfig(policy="fixed", draft_vocab=v, **SHAPES[shape]), ar)
                      for shape in SHAPES for v in vocabs}
         path.write_text(json.dumps(res) + "\n")
         print(name, {k: tau(r["accepted"]) for k, r in acc[name].items()}, flush=True)

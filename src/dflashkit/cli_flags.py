@@ -42,7 +42,7 @@ def add_target_flags(p: argparse.ArgumentParser, drafter: bool = True) -> None:
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """Target, drafter and the drafting flags; their defaults are `DecodeConfig.recommended()`'s."""
-    from .decode_config import DecodeConfig
+    from .decode_config import RECOMMENDED_DRAFT_VOCAB, DecodeConfig
 
     rec = DecodeConfig.recommended()
     add_target_flags(p)
@@ -60,7 +60,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=rec.draft_vocab,
                    help="draft over the drafter's N most frequent training ids only (needs its token_ranking.json; "
                         "fewer LM-head rows to read; verification keeps the full vocabulary). 0 = all ids; "
-                        "default: 4096 if the drafter has a token ranking, else 0")
+                        f"default: {RECOMMENDED_DRAFT_VOCAB} if the drafter has a token ranking, else 0")
     p.add_argument("--lookup-per-n", type=int, default=rec.lookup.tokens_per_n,
                    help="propose at most this many lookup tokens per matched suffix token (0 = always --lookup)")
     p.add_argument("--policy", default=rec.policy, choices=["adaptive", "fixed"],
