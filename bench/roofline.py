@@ -43,7 +43,8 @@ def nbytes(w) -> int:
     """Bytes a weight occupies as the kernels read it (a RowLinear's codes, scales and minima, or a tensor)."""
     if isinstance(w, torch.Tensor):
         return w.numel() * w.element_size()
-    return sum(t.numel() * t.element_size() for t in (w.codes, w.scale, w.minimum))
+    parts = w.packed() if w.int8_acts else (w.codes, w.scale, w.minimum)  # 8-bit activations: the packed layout
+    return sum(t.numel() * t.element_size() for t in parts)
 
 
 def target_shape(t) -> dict:
@@ -127,10 +128,12 @@ def main() -> int:
     ap.add_argument("--draft-vocab", type=int, default=None,
                     help="the drafting step's draft vocabulary (default: the drafter's own, 16,384 ids for the bundled "
                          "one, as `dflashkit generate` drafts; 0: the full vocabulary)")
+    ap.add_argument("--quant", default=None, choices=("int4", "int4-a8"),
+                    help="the target's quantised kernels, as `dflashkit generate --quant` (default: the default target)")
     args = ap.parse_args()
     m = machine(args.repeats)
     set_isa(args.isa)  # before the target loads: the plan (and the bits) follow the path
-    target, tok = load_target(dtype="bfloat16")
+    target, tok = load_target(dtype="bfloat16", quant=args.quant)
     with torch.inference_mode():
         steps = target_steps(target, args.context, m, args.repeats)
         drafts = drafter_steps(target, tok, args.context, m, args.repeats, args.draft_vocab)

@@ -88,40 +88,44 @@ def test_4bit_codes_on_bf16_dot_products_are_the_bf16_layer_of_their_rounded_wei
 
 
 def _int8_definition(lin: RowLinear, x: torch.Tensor) -> torch.Tensor:
-    """qlinear.cpp's layer written plainly, in float64 past the rounding of x: each token's 32-blocks rounded to
-    int8 with d = max|x| / 127 (x * (1 / d), half to even), the integer dot with the weight codes, then the scales."""
+    """qlinear.cpp's layer written plainly: each token's 32-blocks rounded to int8 with d = max|x| / 127 (x * (1 / d),
+    half to even), the exact integer dot with the weight codes per block, then for b = 0, 1, ... the fp32 chain
+    acc = fma(float(i_b), d_w * d_x, acc) (and for Q4_1 acc = fma(m_w, s_x, acc)); an fma is computed in float64
+    (the product i_b * (d_w * d_x) is exact there) and rounded once to fp32."""
     n, k = lin.shape
     xb = x.float().view(x.shape[0], k // 32, 32)
     d = xb.abs().amax(-1) / 127.0  # fp32, as the kernel
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(xb * inv[..., None])  # [M, nb, 32]
+    s = d * q.sum(-1)  # fp32
     if lin.kind == "q4_1":
         b = lin.codes.view(n, k // 32, 16)
         wq = torch.cat([b & 0x0F, b >> 4], dim=-1).double()  # [N, nb, 32]
     else:
         wq = lin.codes.view(n, k // 32, 32).double()
-    isum = torch.einsum("mbj,nbj->mnb", q.double(), wq)
-    y = (isum * lin.scale.view(n, -1).double()[None] * d.double()[:, None]).sum(-1)
-    if lin.kind == "q4_1":
-        s = (d * q.sum(-1)).double()  # fp32 product in the kernel; exact enough for the tolerance below
-        y = y + (lin.minimum.view(n, -1).double()[None] * s[:, None]).sum(-1)
-    return y
+    isum = torch.einsum("mbj,nbj->mnb", q.double(), wq)  # exact integers
+    fma = (lambda a, b, c: (a.double() * b.double() + c.double()).float())
+    acc = torch.zeros(x.shape[0], n)
+    for blk in range(k // 32):
+        acc = fma(isum[:, :, blk], lin.scale.view(n, -1)[None, :, blk] * d[:, None, blk], acc)
+        if lin.kind == "q4_1":
+            acc = fma(lin.minimum.view(n, -1)[None, :, blk], s[:, None, blk], acc)
+    return acc
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("k", [192, 160])  # an even and an odd number of 32-blocks
 def test_int8_activations_compute_their_definition(kind, k):
     torch.manual_seed(3)
-    w = torch.randn(70, k)
+    w = torch.randn(70, k)  # 70 rows: four full groups of 16 and a partial one
     lin = _ggml(kind, w)[0].with_int8_acts()
     x = torch.randn(9, k) * torch.linspace(0.1, 3, k)
     x[2, :32] = 0  # an all-zero block: d = 0, its products 0
-    got = lin(x, out_fp32=True).double()
-    ref = _int8_definition(lin, x)
-    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-4), (got - ref).abs().max()
+    got = lin(x, out_fp32=True)
+    assert torch.equal(got, _int8_definition(lin, x))
     # and the same layer as the fp32-product kernel, up to the activations' 8-bit rounding
     fp = _ggml(kind, w)[0](x, out_fp32=True)
-    assert torch.allclose(got.float(), fp, rtol=0.02, atol=0.02 * float(fp.abs().max()))
+    assert torch.allclose(got, fp, rtol=0.02, atol=0.02 * float(fp.abs().max()))
     with pytest.raises(ValueError, match="8-bit activations"):
         RowLinear.from_bf16(w.bfloat16()).with_int8_acts()
 
@@ -129,9 +133,9 @@ def test_int8_activations_compute_their_definition(kind, k):
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("k", [32, 160, 608])  # one block, and even / odd block counts
 def test_int8_activation_paths_give_the_same_bits(kind, k):
-    """qlinear's AVX2 tile and (on AVX512-VNNI CPUs) its 16-lane tile compute one arithmetic: the exact integer
-    block sums, even and odd blocks in two accumulators. So their outputs are equal to the bit, whatever the rows,
-    and a call may choose either by its row count. (On a CPU without VNNI both runs take the AVX2 tile.)"""
+    """qlinear's AVX2 path and (on AVX512-VNNI CPUs) its VNNI path compute one arithmetic: the exact integer block
+    sums, then one fp32 chain over the blocks per element. So their outputs are equal to the bit, whatever the rows.
+    (On a CPU without VNNI both runs take the AVX2 path.)"""
     torch.manual_seed(k)
     lin = _ggml(kind, torch.randn(45, k))[0].with_int8_acts()
     x = torch.randn(19, k) * torch.linspace(0.01, 4, k)

@@ -214,6 +214,15 @@ class RowLinear:
                          self.scale if self.scale.numel() else None, self.minimum if self.minimum.numel() else None,
                          True)
 
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The codes as qlinear.cpp reads them (8-bit activations): groups of 16 rows, each block's codes in 64-byte
+        chunks holding four consecutive elements of the 16 rows (the layout is stated in qlinear.cpp); scales
+        fp32 [groups, blocks, 16]; q4_1 mins fp32 / q8_0 int32 corrections (128 x the block's code sum) alike.
+        Rows past N (up to a multiple of 16) are zeros. Computed once, then kept."""
+        if getattr(self, "_packed", None) is None:
+            self._packed = _pack(self)
+        return self._packed
+
     def dequantize(self) -> torch.Tensor:
         """The weights as fp32 [N, K], computed in torch (for checks and for the reference model)."""
         n, k = self.shape
@@ -236,8 +245,36 @@ class RowLinear:
         mod = load()
         if mod is None:
             raise RuntimeError(f"row-invariant kernels unavailable: {why_unavailable()}")
-        fn = mod.qlinear if self.int8_acts else mod.rowlinear
-        return fn(x, self.codes, self.scale, self.minimum, KINDS[self.kind], self.n_out, not out_fp32)
+        if self.int8_acts:
+            return mod.qlinear(x, *self.packed(), KINDS[self.kind], self.n_out, not out_fp32)
+        return mod.rowlinear(x, self.codes, self.scale, self.minimum, KINDS[self.kind], self.n_out, not out_fp32)
+
+
+def _pack(w: RowLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`RowLinear.packed` for a q4_1 / q8_0 layer."""
+    n, k = w.shape
+    nb, groups = k // 32, -(-n // 16)
+    pad = groups * 16 - n
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [groups * 16, ...], zeros past N
+        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:  # [N, blocks] -> [groups, blocks, 16]
+        return rows(t.view(n, nb)).view(groups, 16, nb).permute(0, 2, 1).contiguous()
+
+    if w.kind == "q4_1":
+        b = w.codes.view(n, nb, 16)
+        q = rows(torch.cat([b & 0x0F, b >> 4], dim=-1))  # [rows, blocks, 32] in element order
+        # element 8 p + 4 h + e of row r -> chunk p, byte 4 r + e, nibble h (low h = 0)
+        q = q.view(groups, 16, nb, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # [g, b, p, h, r, e]
+        codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).contiguous().view(-1)
+        return codes, per_row(w.scale), per_row(w.minimum)
+    if w.kind == "q8_0":
+        q = rows(w.codes.view(n, nb, 32))  # int8
+        codes = q.view(groups, 16, nb, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(-1).view(torch.uint8)
+        corr = (128 * w.codes.view(n, nb, 32).to(torch.int32).sum(-1)).to(torch.int32)
+        return codes, per_row(w.scale), per_row(corr)
+    raise ValueError(f"8-bit activations need q4_1 / q8_0 weights, not {w.kind}")
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, head: torch.Tensor, tail: torch.Tensor,
@@ -266,4 +303,5 @@ def use_rowlinear_in(module: torch.nn.Module) -> int:
 
 def stack_linear(w: RowLinear):
     """`w` as the layer stack's C++ linear (kernels/layers.cpp reads the same code, scale and minimum tensors)."""
-    return load().StackLinear(w.codes, w.scale, w.minimum, KINDS[w.kind], w.n_out, w.int8_acts)
+    codes, scale, minimum = w.packed() if w.int8_acts else (w.codes, w.scale, w.minimum)
+    return load().StackLinear(codes, scale, minimum, KINDS[w.kind], w.n_out, w.int8_acts)

@@ -1,28 +1,40 @@
-// Row-invariant quantized linear layers with 8-bit activations (AVX2): y[M, N] = q8(x)[M, K] . W[N, K]^T.
+// Row-invariant quantized linear layers with 8-bit activations: y[M, N] = q8(x)[M, K] . W[N, K]^T.
 //
-// Why: rowlinear.cpp widens every 4-bit weight to fp32 and multiplies in fp32 (8 products per instruction, ~7
-// instructions per 8 weights), so a Q4_1 layer was no faster than bf16 at one token although it reads a third of
-// the bytes. Here, as llama.cpp does, each token's row is quantized to int8 per 32-block and the products are
-// integer dot products (32 products in two instructions: maddubs + madd), exact in int32; only the per-block scale
-// is applied in fp32. This is a different target than rowlinear's (activations rounded to 8 bits), so it has its
-// own AR baseline; exactness is judged against that.
+// Why: as llama.cpp does, each token's row is quantized to int8 per 32-block and the products are integer dot
+// products, exact in int32; only the per-block scales are applied in fp32. A 4-bit weight then costs a mask or a
+// shift and a quarter of a `dpbusd` lane instead of a decode to bf16 and half a `dpbf16ps` lane, so a verify block
+// of a few tokens costs about what a one-token step costs (the weights' bytes, not the arithmetic, set both). This
+// is a different target than rowlinear's (activations rounded to 8 bits), with its own AR baseline; exactness is
+// judged against that.
 //
-// Row invariance: a token's quantization reads only its own row; each output element is, for blocks b = 0, 1, ...:
-// acc[b % 2] = fma(float(isum8_b), d_w * d_x, acc[b % 2]) (two 8-lane accumulators, even and odd blocks; lane i of
-// isum8_b = the exact int32 sum of the block's products 4i..4i+3), plus for Q4_1 a scalar chain
-// macc = fma(m_w, s_x, macc) over b ascending; y = hsum8(acc[0] + acc[1]) + macc. Every path computes exactly this
-// for every (token, row) whatever M is and whichever thread runs it: the AVX2 tile (two ymm accumulators) and, on
-// CPUs with AVX512-VNNI, the 16-lane tile (one `dpbusd` for blocks b, b + 1: lanes 0-7 are acc[0], 8-15 acc[1]).
-// The integer sums are exact in both, so both give the same bits, and a call may pick either by its row count.
+// The arithmetic, for every output element (token t, weight row n), whatever M is and whichever path or thread
+// computes it:
+//   acc = 0 (fp32); for blocks b = 0, 1, ...:
+//     i_b = the exact int32 sum of the block's 32 products q_w * q_x
+//     acc = fma(float(i_b), d_w * d_x, acc)                  (d_w * d_x rounded to fp32 first)
+//     Q4_1 only: acc = fma(m_w, s_x, acc)                     (s_x = d_x * float(sum of the block's q_x))
+//   y = acc
+// An integer sum has one value whatever order its products are added in, so the paths below may split and group
+// them freely (8 or 16 rows per vector, any number of tokens, two partial sums per block); only the fp32 chain over
+// b is fixed, and every path runs it one element per vector lane in the order above. Hence the same bits on every
+// row count, on the AVX-512 VNNI path and the AVX2 path alike (tests: row counts 1-33, both paths, the plain
+// definition in float64).
 //
-// Weight formats (`kind`, as rowlinear.cpp): 1 q4_1 (codes [N, K / 2], GGML nibble order; w = d q + m),
-// 2 q8_0 (codes [N, K] int8; w = d q). Activations: bf16 or fp32 [M, K]; output bf16 or fp32.
+// Weights come PACKED (kernels/__init__.py, `RowLinear.packed`) in groups of 16 rows: row n is lane n % 16 of group
+// n / 16 (rows past N are zeros, their outputs never stored). Per (group, block):
+//   q4_1: 4 x 64 bytes; chunk p, byte 4 r + e: low nibble = q[r][8 p + e], high nibble = q[r][8 p + 4 + e]
+//   q8_0: 8 x 64 bytes; chunk j, byte 4 r + e = q[r][4 j + e] (int8)
+// (r: the row in the group, e < 4, q[r][k]: the code of element k of the block), so one 64-byte load holds four
+// consecutive elements of 16 rows: a `dpbusd` against 4 broadcast activation bytes adds them into 16 row lanes.
+// Scales d and mins m (q4_1) are fp32 [groups, blocks, 16]; for q8_0, `m` holds int32 128 * (the block's code sum)
+// per row: VNNI multiplies unsigned by signed bytes, so activations enter as q_x + 128 and that term comes off.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "ops.h"
@@ -31,15 +43,13 @@
 
 namespace {
 
-using dflashkit::hsum8;
 using dflashkit::round_to_bf16;
-using dflashkit::store_tile;
 
-constexpr int64_t NR = 4;  // weight rows per tile: 2 tokens x 4 rows = 8 accumulators, weights unpacked once per pair
+constexpr int64_t GROUP = 16;  // weight rows per packed group (one 512-bit vector of fp32 / int32 lanes)
 
 // One token's row as int8 per 32-block: d = max|x| / 127, q = round-half-even(x / d) (x * (1 / d), as llama.cpp),
-// s = d * sum(q) (the Q4_1 minimum's term). All of it row-local.
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+// s = d * sum(q) (the Q4_1 minimum's term), u = q + 128 as unsigned bytes (q8_0 weights on VNNI). All row-local.
+void quantize_row(const float* x, int64_t K, int8_t* q, uint8_t* u, float* d, float* s) {
   for (int64_t b = 0; b < K / 32; ++b) {
     const float* xb = x + 32 * b;
     float amax = 0.0f;
@@ -49,6 +59,7 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
     for (int j = 0; j < 32; ++j) {
       const int v = static_cast<int>(std::nearbyint(xb[j] * id));
       q[32 * b + j] = static_cast<int8_t>(v);
+      u[32 * b + j] = static_cast<uint8_t>(v + 128);
       sum += v;
     }
     d[b] = db;
@@ -56,159 +67,165 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
   }
 }
 
-struct QWeights {
-  int kind;
-  const uint8_t* codes;
-  const float* d;
-  const float* m;
-  int64_t nb, row_bytes;  // blocks per row, code bytes per row
+struct Packed {
+  int kind;                // 1 q4_1, 2 q8_0
+  const uint8_t* codes;    // [groups, blocks, chunk bytes]
+  const float* d;          // [groups, blocks, 16]
+  const void* m;           // q4_1: fp32 mins; q8_0: int32 corrections; [groups, blocks, 16]
+  int64_t groups, nb;
+  int64_t block_bytes() const { return kind == 1 ? 256 : 512; }
 };
 
 struct QActs {
   const int8_t* q;
+  const uint8_t* u;
   const float* d;
   const float* s;
   int64_t K, nb;
 };
 
-// Block b of weight row n as 32 bytes ready for maddubs' unsigned operand (q4_1: 0..15 in element order; q8_0: the
-// int8 codes, made unsigned per token by the sign trick in `dot32`).
-inline __m256i unpack(const QWeights& W, int64_t n, int64_t b) {
-  const uint8_t* row = W.codes + n * W.row_bytes;
-  if (W.kind == 1) {  // byte j: element j (low nibble), element j + 16 (high nibble)
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
-    const __m128i lo = _mm_and_si128(c, _mm_set1_epi8(0x0f));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(c, 4), _mm_set1_epi8(0x0f));
-    return _mm256_set_m128i(hi, lo);
-  }
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b));
+inline int32_t four(const void* p) {  // 4 activation bytes as one int32 (for a broadcast)
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
-// The 32 products of a block summed into 8 int32 lanes (exact: |15 * 127 * 2| and |127 * 128 * 2| fit int16).
-inline __m256i dot32(int kind, __m256i w, __m256i xq) {
-  __m256i p16;
-  if (kind == 1) {
-    p16 = _mm256_maddubs_epi16(w, xq);
-  } else {  // signed x signed: |w| (unsigned) times x carrying w's sign
-    p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
-  }
-  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-}
-
-// MR tokens (rows t0.. of the quantized activations) against NR weight rows n[0..NR): out[t][r].
-template <int MR>
-inline void tile(const QWeights& W, const int64_t* n, const QActs& X, int64_t t0, float out[][NR]) {
-  __m256 acc[2][MR][NR];  // even and odd blocks
-  float macc[MR][NR];
-  for (int t = 0; t < MR; ++t)
-    for (int r = 0; r < NR; ++r) acc[0][t][r] = acc[1][t][r] = _mm256_setzero_ps(), macc[t][r] = 0.0f;
-  for (int64_t b = 0; b < W.nb; ++b) {
-    __m256(&a)[MR][NR] = acc[b & 1];
-    __m256i xq[MR];
-    float dx[MR], sx[MR];
-    for (int t = 0; t < MR; ++t) {
-      xq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.q + (t0 + t) * X.K + 32 * b));
-      dx[t] = X.d[(t0 + t) * X.nb + b];
-      sx[t] = X.s[(t0 + t) * X.nb + b];
-    }
-    for (int r = 0; r < NR; ++r) {
-      const __m256i w = unpack(W, n[r], b);
-      const float dw = W.d[n[r] * W.nb + b];
-      for (int t = 0; t < MR; ++t) {
-        const __m256 f = _mm256_cvtepi32_ps(dot32(W.kind, w, xq[t]));
-        a[t][r] = _mm256_fmadd_ps(f, _mm256_set1_ps(dw * dx[t]), a[t][r]);
-      }
-      if (W.kind == 1) {
-        const float mw = W.m[n[r] * W.nb + b];
-        for (int t = 0; t < MR; ++t) macc[t][r] = std::fma(mw, sx[t], macc[t][r]);
-      }
-    }
-  }
-  for (int t = 0; t < MR; ++t)
-    for (int r = 0; r < NR; ++r) out[t][r] = hsum8(_mm256_add_ps(acc[0][t][r], acc[1][t][r])) + macc[t][r];
-}
-
-// ---- CPUs with AVX512-VNNI: the same arithmetic, two blocks per instruction ----------------------------------
-// Blocks b, b + 1 go through one `dpbusd` (unsigned weights x signed activations, 4 products per int32 lane) into
-// 16 lanes: lanes 0-7 block b (the even accumulator), 8-15 block b + 1 (the odd one); the scales d_w d_x of b and
-// b + 1 fill the two halves. An odd last block updates the low half only (a masked fma: the odd half is left
-// untouched, not added a zero, which could flip the sign of a zero). Q8_0's signed weights enter as w + 128 and the
-// exact 128 * (sum of each lane's 4 activations) is subtracted in int32. y = hsum16(acc) = hsum8(low + high).
+// ---- CPUs with AVX512-VNNI ---------------------------------------------------------------------------------------
 #define DFK_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
-// Blocks b (and b + 1 when `two`) of weight row n as 64 unsigned bytes in element order (one block: the high half
-// is zero).
-DFK_VNNI inline __m512i unpack2(const QWeights& W, int64_t n, int64_t b, bool two) {
-  const uint8_t* row = W.codes + n * W.row_bytes;
-  if (W.kind == 1) {
-    const __m256i c = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * b))
-                          : _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b)));
-    const __m256i lo = _mm256_and_si256(c, _mm256_set1_epi8(0x0f));  // [lo(b), lo(b + 1)]
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), _mm256_set1_epi8(0x0f));
-    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // [lo(b), lo(b+1), hi(b), hi(b+1)]
-    const __m512i w = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));   // [lo(b), hi(b), lo(b+1), hi(b+1)]
-    return two ? w : _mm512_maskz_mov_epi64(0x0f, w);
-  }
-  const __m512i q = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0xffffffffULL, row + 32 * b);
-  return _mm512_maskz_xor_epi64(two ? 0xff : 0x0f, q, _mm512_set1_epi8(static_cast<char>(0x80)));  // w + 128
-}
-
-// [p[0] x 8, p[1] x 8] (p[1] only when `two`).
-DFK_VNNI inline __m512 pair(const float* p, bool two) {
-  const __m128 v = two ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))) : _mm_load_ss(p);
-  return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
-                               _mm512_castps128_ps512(v));
-}
-
-template <int MR>
-DFK_VNNI void tile16(const QWeights& W, const int64_t* n, const QActs& X, int64_t t0, float out[][NR]) {
-  __m512 acc[MR][NR];
-  float macc[MR][NR];
+// MR tokens (t0 ..) x R groups (g0 ..): out lanes = rows. Two integer partial sums per (token, group, block) keep
+// two dependency chains apart (their sum is exact: any order).
+template <int KIND, int MR, int R>
+DFK_VNNI void vnni_tile(const Packed& W, int64_t g0, const QActs& X, int64_t t0, float* y, int64_t N) {
+  __m512 acc[MR][R];
   for (int t = 0; t < MR; ++t)
-    for (int r = 0; r < NR; ++r) acc[t][r] = _mm512_setzero_ps(), macc[t][r] = 0.0f;
-  for (int64_t b = 0; b < W.nb; b += 2) {
-    const bool two = b + 1 < W.nb;
-    const __mmask16 lanes = two ? 0xffff : 0x00ff;
-    __m512i xq[MR], corr[MR];
-    __m512 dx[MR];
-    for (int t = 0; t < MR; ++t) {
-      const int64_t row = t0 + t;
-      xq[t] = _mm512_maskz_loadu_epi8(two ? ~0ULL : 0xffffffffULL, X.q + row * X.K + 32 * b);
-      corr[t] = W.kind == 2 ? _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1),
-                                                                    xq[t]), 7)
-                            : _mm512_setzero_si512();
-      dx[t] = pair(X.d + row * X.nb + b, two);
-    }
-    for (int r = 0; r < NR; ++r) {
-      const __m512i w = unpack2(W, n[r], b, two);
-      const __m512 dw = pair(W.d + n[r] * W.nb + b, two);
-      for (int t = 0; t < MR; ++t) {
-        const __m512i isum = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xq[t]), corr[t]);
-        acc[t][r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dx[t]), acc[t][r], lanes);
-      }
-      if (W.kind == 1) {
-        const float* mw = W.m + n[r] * W.nb + b;
-        for (int t = 0; t < MR; ++t) {
-          const float* sx = X.s + (t0 + t) * X.nb + b;
-          macc[t][r] = std::fma(mw[0], sx[0], macc[t][r]);
-          if (two) macc[t][r] = std::fma(mw[1], sx[1], macc[t][r]);
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  const int64_t bb = W.block_bytes();
+  for (int64_t b = 0; b < W.nb; ++b) {
+    __m512i s0[MR][R], s1[MR][R];
+    for (int t = 0; t < MR; ++t)
+      for (int r = 0; r < R; ++r) s0[t][r] = s1[t][r] = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* c = W.codes + ((g0 + r) * W.nb + b) * bb;
+      if (KIND == 1) {
+        for (int p = 0; p < 4; ++p) {
+          const __m512i v = _mm512_loadu_si512(c + 64 * p);
+          const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi8(0x0f));
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f));
+          for (int t = 0; t < MR; ++t) {
+            const int8_t* xq = X.q + (t0 + t) * X.K + 32 * b + 8 * p;
+            s0[t][r] = _mm512_dpbusd_epi32(s0[t][r], lo, _mm512_set1_epi32(four(xq)));
+            s1[t][r] = _mm512_dpbusd_epi32(s1[t][r], hi, _mm512_set1_epi32(four(xq + 4)));
+          }
+        }
+      } else {
+        for (int j = 0; j < 8; j += 2) {
+          const __m512i w0 = _mm512_loadu_si512(c + 64 * j), w1 = _mm512_loadu_si512(c + 64 * j + 64);
+          for (int t = 0; t < MR; ++t) {
+            const uint8_t* xu = X.u + (t0 + t) * X.K + 32 * b + 4 * j;
+            s0[t][r] = _mm512_dpbusd_epi32(s0[t][r], _mm512_set1_epi32(four(xu)), w0);
+            s1[t][r] = _mm512_dpbusd_epi32(s1[t][r], _mm512_set1_epi32(four(xu + 4)), w1);
+          }
         }
       }
     }
+    for (int r = 0; r < R; ++r) {
+      const int64_t o = ((g0 + r) * W.nb + b) * GROUP;
+      const __m512 dw = _mm512_loadu_ps(W.d + o);
+      __m512i corr = _mm512_setzero_si512();
+      __m512 mw = _mm512_setzero_ps();
+      if (KIND == 2) corr = _mm512_loadu_si512(static_cast<const int32_t*>(W.m) + o);
+      if (KIND == 1) mw = _mm512_loadu_ps(static_cast<const float*>(W.m) + o);
+      for (int t = 0; t < MR; ++t) {
+        __m512i isum = _mm512_add_epi32(s0[t][r], s1[t][r]);
+        if (KIND == 2) isum = _mm512_sub_epi32(isum, corr);
+        const int64_t xo = (t0 + t) * X.nb + b;
+        acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(X.d[xo])), acc[t][r]);
+        if (KIND == 1) acc[t][r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(X.s[xo]), acc[t][r]);
+      }
+    }
   }
-  for (int t = 0; t < MR; ++t)
-    for (int r = 0; r < NR; ++r) out[t][r] = dflashkit::hsum16(acc[t][r]) + macc[t][r];
+  for (int r = 0; r < R; ++r) {
+    const int64_t n0 = (g0 + r) * GROUP;
+    if (n0 >= N) break;
+    const __mmask16 keep = N - n0 >= GROUP ? 0xffff : static_cast<__mmask16>((1u << (N - n0)) - 1);
+    for (int t = 0; t < MR; ++t) _mm512_mask_storeu_ps(y + (t0 + t) * N + n0, keep, acc[t][r]);
+  }
 }
 
-// Where the 16-lane tile runs (the bits are the same either way). Measured on an AMD EPYC with AVX512-VNNI, one
-// layer in cache: Q8_0 (the 49152 x 576 head) 2.1 vs 2.6 ms at one row, 7.9 vs 9.0 at 16; Q4_1 (3072 x 576) 0.092
-// vs 0.066 ms at one row (slower: the nibble unpack to 512 bits), even from 4 rows.
-constexpr int64_t VNNI_Q4_FROM_ROWS = 4;
+// All M tokens against groups g0 .. g0 + R (R = 4, or fewer at the end): tokens 4 at a time, then the rest.
+template <int KIND, int R>
+DFK_VNNI void vnni_groups(const Packed& W, int64_t g0, const QActs& X, int64_t M, float* y, int64_t N) {
+  int64_t t = 0;
+  for (; t + 4 <= M; t += 4) vnni_tile<KIND, 4, R>(W, g0, X, t, y, N);
+  const int64_t left = M - t;
+  if (left == 3) vnni_tile<KIND, 3, R>(W, g0, X, t, y, N);
+  if (left == 2) vnni_tile<KIND, 2, R>(W, g0, X, t, y, N);
+  if (left == 1) vnni_tile<KIND, 1, R>(W, g0, X, t, y, N);
+}
 
-bool vnni_path(int kind, int64_t M) {
+template <int KIND>
+DFK_VNNI void vnni_range(const Packed& W, int64_t g0, int64_t g1, const QActs& X, int64_t M, float* y, int64_t N) {
+  int64_t g = g0;
+  for (; g + 4 <= g1; g += 4) vnni_groups<KIND, 4>(W, g, X, M, y, N);
+  for (; g < g1; ++g) vnni_groups<KIND, 1>(W, g, X, M, y, N);
+}
+
+// ---- CPUs with AVX2 only: the same arithmetic, a group as two 8-lane halves ----------------------------------------
+// maddubs multiplies unsigned by signed bytes into int16 pairs: exact here (q4_1: 15 * 127 * 2; q8_0 as |w| times x
+// carrying w's sign: 128 * 127 * 2, both below 2^15), then madd sums the pairs into int32.
+inline __m256i dot4(int kind, __m256i w, __m256i x) {
+  const __m256i p16 = kind == 1 ? _mm256_maddubs_epi16(w, x)
+                                : _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+// One token x one group (both halves).
+template <int KIND>
+void avx2_tile(const Packed& W, int64_t g, const QActs& X, int64_t t, float* y, int64_t N) {
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const int64_t bb = W.block_bytes();
+  for (int64_t b = 0; b < W.nb; ++b) {
+    const uint8_t* c = W.codes + (g * W.nb + b) * bb;
+    const int8_t* xq = X.q + t * X.K + 32 * b;
+    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int h = 0; h < 2; ++h) {
+      if (KIND == 1) {
+        for (int p = 0; p < 4; ++p) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p + 32 * h));
+          const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
+          s[h] = _mm256_add_epi32(s[h], dot4(1, lo, _mm256_set1_epi32(four(xq + 8 * p))));
+          s[h] = _mm256_add_epi32(s[h], dot4(1, hi, _mm256_set1_epi32(four(xq + 8 * p + 4))));
+        }
+      } else {
+        for (int j = 0; j < 8; ++j) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * j + 32 * h));
+          s[h] = _mm256_add_epi32(s[h], dot4(2, w, _mm256_set1_epi32(four(xq + 4 * j))));
+        }
+      }
+    }
+    const int64_t o = (g * W.nb + b) * GROUP, xo = t * X.nb + b;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dw = _mm256_loadu_ps(W.d + o + 8 * h);
+      acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[h]), _mm256_mul_ps(dw, _mm256_set1_ps(X.d[xo])), acc[h]);
+      if (KIND == 1) {
+        const __m256 mw = _mm256_loadu_ps(static_cast<const float*>(W.m) + o + 8 * h);
+        acc[h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(X.s[xo]), acc[h]);
+      }
+    }
+  }
+  alignas(32) float out[GROUP];
+  _mm256_store_ps(out, acc[0]);
+  _mm256_store_ps(out + 8, acc[1]);
+  const int64_t n0 = g * GROUP;
+  std::memcpy(y + t * N + n0, out, std::min(GROUP, N - n0) * sizeof(float));
+}
+
+bool vnni_path() {
   static const bool cpu = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return cpu && !dflashkit_avx2_forced() && (kind == 2 || M >= VNNI_Q4_FROM_ROWS);
+  return cpu && !dflashkit_avx2_forced();
 }
 
 }  // namespace
@@ -217,56 +234,43 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
                       int64_t n_out, bool out_bf16) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "qlinear: x must be [M, K] with K a multiple of 32");
   TORCH_CHECK(kind == 1 || kind == 2, "qlinear: kind must be 1 (q4_1) or 2 (q8_0)");
-  TORCH_CHECK(codes.is_contiguous() && codes.size(0) == n_out, "qlinear: codes must be contiguous [N, ...]");
-  const int64_t M = x.size(0), K = x.size(1), N = n_out, nb = K / 32;
-  const int64_t row_bytes = kind == 1 ? K / 2 : K;
-  TORCH_CHECK(codes.numel() * codes.element_size() == N * row_bytes, "qlinear: codes do not match [N, K]");
-  TORCH_CHECK(d.scalar_type() == torch::kFloat && d.is_contiguous() && d.numel() == N * nb,
-              "qlinear: scales must be fp32 [N, K / 32]");
-  if (kind == 1) TORCH_CHECK(m.scalar_type() == torch::kFloat && m.is_contiguous() && m.numel() == N * nb,
-                             "qlinear: mins must be fp32 [N, K / 32]");
+  const int64_t M = x.size(0), K = x.size(1), N = n_out, nb = K / 32, groups = (N + GROUP - 1) / GROUP;
+  TORCH_CHECK(codes.is_contiguous() && codes.numel() * codes.element_size() == groups * nb * (kind == 1 ? 256 : 512),
+              "qlinear: codes must be packed [groups, blocks, chunks] (RowLinear.packed)");
+  TORCH_CHECK(d.scalar_type() == torch::kFloat && d.is_contiguous() && d.numel() == groups * nb * GROUP,
+              "qlinear: scales must be packed fp32 [groups, blocks, 16]");
+  TORCH_CHECK(m.is_contiguous() && m.numel() == groups * nb * GROUP &&
+                  m.scalar_type() == (kind == 1 ? torch::kFloat : torch::kInt),
+              "qlinear: m must be packed [groups, blocks, 16]: fp32 mins (q4_1) or int32 corrections (q8_0)");
   torch::Tensor xf = x.to(torch::kFloat).contiguous();  // bf16 -> fp32 is exact
   std::vector<int8_t> xq(M * K);
+  std::vector<uint8_t> xu(M * K);
   std::vector<float> xd(M * nb), xs(M * nb);
   const float* xp = xf.data_ptr<float>();
   at::parallel_for(0, M, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i)
-      quantize_row(xp + i * K, K, xq.data() + i * K, xd.data() + i * nb, xs.data() + i * nb);
+      quantize_row(xp + i * K, K, xq.data() + i * K, xu.data() + i * K, xd.data() + i * nb, xs.data() + i * nb);
   });
   torch::Tensor yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   float* yp = yf.data_ptr<float>();
-  const QWeights W{static_cast<int>(kind), static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(),
-                   kind == 1 ? m.data_ptr<float>() : nullptr, nb, row_bytes};
-  const QActs X{xq.data(), xd.data(), xs.data(), K, nb};
-  const int64_t tiles = (N + NR - 1) / NR;
-  // Threads split the weight rows: each output element is computed whole by one thread.
-  if (vnni_path(static_cast<int>(kind), M)) {
-    at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t z) {
-      float out[4][NR];
-      for (int64_t tt = a; tt < z; ++tt) {
-        const int64_t n0 = tt * NR, rows = std::min(NR, N - n0);
-        int64_t n[NR];
-        for (int r = 0; r < NR; ++r) n[r] = n0 + std::min<int64_t>(r, rows - 1);
-        int64_t i = 0;
-        for (; i + 4 <= M; i += 4) tile16<4>(W, n, X, i, out), store_tile<NR>(yp, N, i, n0, rows, out, 4);
-        const int64_t left = M - i;
-        if (left == 3) tile16<3>(W, n, X, i, out), store_tile<NR>(yp, N, i, n0, rows, out, 3);
-        if (left == 2) tile16<2>(W, n, X, i, out), store_tile<NR>(yp, N, i, n0, rows, out, 2);
-        if (left == 1) tile16<1>(W, n, X, i, out), store_tile<NR>(yp, N, i, n0, rows, out, 1);
-      }
+  const Packed W{static_cast<int>(kind), static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(),
+                 m.data_ptr(), groups, nb};
+  const QActs X{xq.data(), xu.data(), xd.data(), xs.data(), K, nb};
+  // Threads split the groups of weight rows (4 at a time on VNNI): each output element is computed whole by one
+  // thread, in the order above.
+  if (vnni_path()) {
+    at::parallel_for(0, (groups + 3) / 4, 1, [&](int64_t a, int64_t z) {
+      if (kind == 1) vnni_range<1>(W, 4 * a, std::min(4 * z, groups), X, M, yp, N);
+      else vnni_range<2>(W, 4 * a, std::min(4 * z, groups), X, M, yp, N);
     });
-    return out_bf16 ? round_to_bf16(yf) : yf;
+  } else {
+    at::parallel_for(0, groups, 1, [&](int64_t a, int64_t z) {
+      for (int64_t g = a; g < z; ++g)
+        for (int64_t t = 0; t < M; ++t) {
+          if (kind == 1) avx2_tile<1>(W, g, X, t, yp, N);
+          else avx2_tile<2>(W, g, X, t, yp, N);
+        }
+    });
   }
-  at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t z) {
-    float out[2][NR];
-    for (int64_t tt = a; tt < z; ++tt) {
-      const int64_t n0 = tt * NR, rows = std::min(NR, N - n0);
-      int64_t n[NR];
-      for (int r = 0; r < NR; ++r) n[r] = n0 + std::min<int64_t>(r, rows - 1);  // past the matrix: recompute, drop
-      int64_t i = 0;
-      for (; i + 2 <= M; i += 2) tile<2>(W, n, X, i, out), store_tile<NR>(yp, N, i, n0, rows, out, 2);
-      if (i < M) tile<1>(W, n, X, i, out), store_tile<NR>(yp, N, i, n0, rows, out, 1);
-    }
-  });
   return out_bf16 ? round_to_bf16(yf) : yf;
 }
