@@ -49,21 +49,34 @@ constexpr int64_t GROUP = 16;  // weight rows per packed group (one 512-bit vect
 
 // One token's row as int8 per 32-block: d = max|x| / 127, q = round-half-even(x / d) (x * (1 / d), as llama.cpp),
 // s = d * sum(q) (the Q4_1 minimum's term), u = q + 128 as unsigned bytes (q8_0 weights on VNNI). All row-local.
+// (cvtps_epi32 rounds half to even under the default MXCSR, as nearbyint does; the max and the integer sum have one
+// value in any order.)
 void quantize_row(const float* x, int64_t K, int8_t* q, uint8_t* u, float* d, float* s) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < K / 32; ++b) {
     const float* xb = x + 32 * b;
-    float amax = 0.0f;
-    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    __m256 v[4], mx = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i), mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], magnitude));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-    int sum = 0;
-    for (int j = 0; j < 32; ++j) {
-      const int v = static_cast<int>(std::nearbyint(xb[j] * id));
-      q[32 * b + j] = static_cast<int8_t>(v);
-      u[32 * b + j] = static_cast<uint8_t>(v + 128);
-      sum += v;
+    __m256i qi[4], sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+      sum = _mm256_add_epi32(sum, qi[i]);
     }
+    // 4 x 8 int32 (each within +-127) -> 32 int8 in element order
+    const __m256i p8 = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), p8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + 32 * b), _mm256_xor_si256(p8, _mm256_set1_epi8(-128)));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
     d[b] = db;
-    s[b] = db * static_cast<float>(sum);
+    s[b] = db * static_cast<float>(_mm_cvtsi128_si32(s4));
   }
 }
 
@@ -93,8 +106,8 @@ inline int32_t four(const void* p) {  // 4 activation bytes as one int32 (for a 
 // ---- CPUs with AVX512-VNNI ---------------------------------------------------------------------------------------
 #define DFK_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
-// MR tokens (t0 ..) x R groups (g0 ..): out lanes = rows. Two integer partial sums per (token, group, block) keep
-// two dependency chains apart (their sum is exact: any order).
+// MR tokens (t0 ..) x R groups (g0 ..): out lanes = rows. At one token, two integer partial sums per (group, block)
+// keep two dependency chains apart (their sum is exact: any order); with more tokens there are chains enough.
 template <int KIND, int MR, int R>
 DFK_VNNI void vnni_tile(const Packed& W, int64_t g0, const QActs& X, int64_t t0, float* y, int64_t N) {
   __m512 acc[MR][R];
@@ -102,30 +115,37 @@ DFK_VNNI void vnni_tile(const Packed& W, int64_t g0, const QActs& X, int64_t t0,
     for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
   const int64_t bb = W.block_bytes();
   for (int64_t b = 0; b < W.nb; ++b) {
+    constexpr bool two = MR == 1;
     __m512i s0[MR][R], s1[MR][R];
     for (int t = 0; t < MR; ++t)
       for (int r = 0; r < R; ++r) s0[t][r] = s1[t][r] = _mm512_setzero_si512();
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* c = W.codes + ((g0 + r) * W.nb + b) * bb;
-      if (KIND == 1) {
-        for (int p = 0; p < 4; ++p) {
-          const __m512i v = _mm512_loadu_si512(c + 64 * p);
-          const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi8(0x0f));
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f));
-          for (int t = 0; t < MR; ++t) {
-            const int8_t* xq = X.q + (t0 + t) * X.K + 32 * b + 8 * p;
-            s0[t][r] = _mm512_dpbusd_epi32(s0[t][r], lo, _mm512_set1_epi32(four(xq)));
-            s1[t][r] = _mm512_dpbusd_epi32(s1[t][r], hi, _mm512_set1_epi32(four(xq + 4)));
-          }
+    __m512i(&s1_or_s0)[MR][R] = two ? s1 : s0;
+    // Per 64-byte chunk (pair): the R groups' codes once, then each token's two broadcast activation words against
+    // them (loop order: the broadcasts are used right away rather than all held in registers).
+    const uint8_t* c = W.codes + (g0 * W.nb + b) * bb;
+    const int64_t stride = W.nb * bb;  // the next group's same block
+    for (int p = 0; p < 4; ++p) {
+      __m512i w0[R], w1[R];
+      for (int r = 0; r < R; ++r) {
+        if (KIND == 1) {
+          const __m512i v = _mm512_loadu_si512(c + r * stride + 64 * p);
+          w0[r] = _mm512_and_si512(v, _mm512_set1_epi8(0x0f));
+          w1[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f));
+        } else {
+          w0[r] = _mm512_loadu_si512(c + r * stride + 128 * p);
+          w1[r] = _mm512_loadu_si512(c + r * stride + 128 * p + 64);
         }
-      } else {
-        for (int j = 0; j < 8; j += 2) {
-          const __m512i w0 = _mm512_loadu_si512(c + 64 * j), w1 = _mm512_loadu_si512(c + 64 * j + 64);
-          for (int t = 0; t < MR; ++t) {
-            const uint8_t* xu = X.u + (t0 + t) * X.K + 32 * b + 4 * j;
-            s0[t][r] = _mm512_dpbusd_epi32(s0[t][r], _mm512_set1_epi32(four(xu)), w0);
-            s1[t][r] = _mm512_dpbusd_epi32(s1[t][r], _mm512_set1_epi32(four(xu + 4)), w1);
-          }
+      }
+      for (int t = 0; t < MR; ++t) {
+        // q4_1: elements 8 p .. + 3 (low nibbles), 8 p + 4 .. + 7 (high); q8_0: chunks 2 p, 2 p + 1, the same
+        // elements; q8_0 takes the activations as unsigned q + 128 (the weights are the signed operand)
+        const int64_t xo = (t0 + t) * X.K + 32 * b + 8 * p;
+        const __m512i x0 = _mm512_set1_epi32(KIND == 1 ? four(X.q + xo) : four(X.u + xo));
+        const __m512i x1 = _mm512_set1_epi32(KIND == 1 ? four(X.q + xo + 4) : four(X.u + xo + 4));
+        for (int r = 0; r < R; ++r) {
+          s0[t][r] = KIND == 1 ? _mm512_dpbusd_epi32(s0[t][r], w0[r], x0) : _mm512_dpbusd_epi32(s0[t][r], x0, w0[r]);
+          s1_or_s0[t][r] = KIND == 1 ? _mm512_dpbusd_epi32(s1_or_s0[t][r], w1[r], x1)
+                                     : _mm512_dpbusd_epi32(s1_or_s0[t][r], x1, w1[r]);
         }
       }
     }
@@ -137,7 +157,7 @@ DFK_VNNI void vnni_tile(const Packed& W, int64_t g0, const QActs& X, int64_t t0,
       if (KIND == 2) corr = _mm512_loadu_si512(static_cast<const int32_t*>(W.m) + o);
       if (KIND == 1) mw = _mm512_loadu_ps(static_cast<const float*>(W.m) + o);
       for (int t = 0; t < MR; ++t) {
-        __m512i isum = _mm512_add_epi32(s0[t][r], s1[t][r]);
+        __m512i isum = two ? _mm512_add_epi32(s0[t][r], s1[t][r]) : s0[t][r];
         if (KIND == 2) isum = _mm512_sub_epi32(isum, corr);
         const int64_t xo = (t0 + t) * X.nb + b;
         acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(X.d[xo])), acc[t][r]);
@@ -153,22 +173,32 @@ DFK_VNNI void vnni_tile(const Packed& W, int64_t g0, const QActs& X, int64_t t0,
   }
 }
 
-// All M tokens against groups g0 .. g0 + R (R = 4, or fewer at the end): tokens 4 at a time, then the rest.
-template <int KIND, int R>
-DFK_VNNI void vnni_groups(const Packed& W, int64_t g0, const QActs& X, int64_t M, float* y, int64_t N) {
-  int64_t t = 0;
-  for (; t + 4 <= M; t += 4) vnni_tile<KIND, 4, R>(W, g0, X, t, y, N);
-  const int64_t left = M - t;
-  if (left == 3) vnni_tile<KIND, 3, R>(W, g0, X, t, y, N);
-  if (left == 2) vnni_tile<KIND, 2, R>(W, g0, X, t, y, N);
-  if (left == 1) vnni_tile<KIND, 1, R>(W, g0, X, t, y, N);
+// MR tokens against groups g .. g + 3: in two halves from 3 tokens on (the accumulators of 4 x 4 would not fit in
+// the 32 vector registers).
+template <int KIND, int MR>
+DFK_VNNI void vnni_four(const Packed& W, int64_t g, const QActs& X, int64_t t0, float* y, int64_t N) {
+  if (MR >= 3) {
+    vnni_tile<KIND, MR, 2>(W, g, X, t0, y, N);
+    vnni_tile<KIND, MR, 2>(W, g + 2, X, t0, y, N);
+  } else {
+    vnni_tile<KIND, MR, 4>(W, g, X, t0, y, N);
+  }
 }
 
+// All M tokens against groups g0 .. g1: four groups at a time (the rest one by one), tokens 4 at a time, then the
+// tokens left.
 template <int KIND>
 DFK_VNNI void vnni_range(const Packed& W, int64_t g0, int64_t g1, const QActs& X, int64_t M, float* y, int64_t N) {
-  int64_t g = g0;
-  for (; g + 4 <= g1; g += 4) vnni_groups<KIND, 4>(W, g, X, M, y, N);
-  for (; g < g1; ++g) vnni_groups<KIND, 1>(W, g, X, M, y, N);
+  for (int64_t g = g0; g < g1;) {
+    const bool four = g + 4 <= g1;
+    int64_t t = 0;
+    for (; t + 4 <= M; t += 4) four ? vnni_four<KIND, 4>(W, g, X, t, y, N) : vnni_tile<KIND, 4, 1>(W, g, X, t, y, N);
+    const int64_t left = M - t;
+    if (left == 3) four ? vnni_four<KIND, 3>(W, g, X, t, y, N) : vnni_tile<KIND, 3, 1>(W, g, X, t, y, N);
+    if (left == 2) four ? vnni_four<KIND, 2>(W, g, X, t, y, N) : vnni_tile<KIND, 2, 1>(W, g, X, t, y, N);
+    if (left == 1) four ? vnni_four<KIND, 1>(W, g, X, t, y, N) : vnni_tile<KIND, 1, 1>(W, g, X, t, y, N);
+    g += four ? 4 : 1;
+  }
 }
 
 // ---- CPUs with AVX2 only: the same arithmetic, a group as two 8-lane halves ----------------------------------------
@@ -256,12 +286,12 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
   const Packed W{static_cast<int>(kind), static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(),
                  m.data_ptr(), groups, nb};
   const QActs X{xq.data(), xu.data(), xd.data(), xs.data(), K, nb};
-  // Threads split the groups of weight rows (4 at a time on VNNI): each output element is computed whole by one
-  // thread, in the order above.
+  // Threads split the groups of weight rows (one contiguous range each): each output element is computed whole by
+  // one thread, in the order above.
   if (vnni_path()) {
-    at::parallel_for(0, (groups + 3) / 4, 1, [&](int64_t a, int64_t z) {
-      if (kind == 1) vnni_range<1>(W, 4 * a, std::min(4 * z, groups), X, M, yp, N);
-      else vnni_range<2>(W, 4 * a, std::min(4 * z, groups), X, M, yp, N);
+    at::parallel_for(0, groups, 1, [&](int64_t a, int64_t z) {
+      if (kind == 1) vnni_range<1>(W, a, z, X, M, yp, N);
+      else vnni_range<2>(W, a, z, X, M, yp, N);
     });
   } else {
     at::parallel_for(0, groups, 1, [&](int64_t a, int64_t z) {
