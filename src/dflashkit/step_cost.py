@@ -260,6 +260,8 @@ def cost_key(target, proposer) -> str:
     d = proposer.drafter.config if proposer is not None else None
     draft = (d.num_hidden_layers, d.hidden_size, proposer.block_size, proposer.tree,
              None if proposer.d2t is None else len(proposer.d2t)) if d is not None else None
+    if d is not None and getattr(proposer, "stack", None) is not None:  # its stacked layers' weights (bf16 / Q8_0)
+        draft += (getattr(proposer.drafter, "stack_weights", "bf16"),)
     if d is not None and d.arch != "dflash":  # DFlash2's convolutions and selector walk cost their own time
         draft += (d.arch, d.conv_kernel_size, d.selector_rank, d.selector_top_k)
     # The kernels set the costs (the drafter runs the target's, `kernel_plan.apply_to_drafter`). Why their sources

@@ -176,6 +176,19 @@ class RowLinear:
         return cls("bf16", w.contiguous().view(torch.int16), w.shape[0], w.shape[1])
 
     @classmethod
+    def q8_from_bf16(cls, w: torch.Tensor) -> "RowLinear":
+        """w [N, K] quantised to Q8_0 (per 32-block d = max|w| / 127, q = round(w / d)) on 8-bit activations
+        (qlinear): another layer than w's, about half its bytes, for weights whose exact values matter less than
+        their cost (a drafter's: only its acceptance counts)."""
+        n, k = w.shape
+        if k % 32:
+            raise ValueError(f"in_features must be a multiple of 32 (got {k})")
+        b = w.detach().float().reshape(n, k // 32, 32)
+        d = b.abs().amax(-1) / 127.0
+        q = torch.round(b / torch.where(d > 0, d, torch.ones_like(d))[..., None]).clamp(-127, 127).to(torch.int8)
+        return cls("q8_0", q.reshape(n, k), n, k, d, None, int8_acts=True)
+
+    @classmethod
     def from_ggml(cls, kind: str, raw: torch.Tensor, n_out: int, in_features: int) -> "RowLinear":
         """raw: a GGUF tensor's bytes as uint8 [N, bytes per row] (GGML block layout, 32 weights per block)."""
         nb = in_features // 32
