@@ -68,7 +68,12 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--context", type=int, default=176)
+    ap.add_argument("--isa", default="auto", choices=("auto", "avx512bf16", "avx2"),
+                    help="the kernels' instruction path (`kernels.set_isa`; avx2: as on an AVX2-only host)")
     args = ap.parse_args()
+    from dflashkit.kernels import set_isa
+
+    set_isa(args.isa)  # before the target loads: the plan (and the bits) follow the path
     target, tok, drafter, _ = load_models(dtype="bfloat16", quant=args.quant)
     engine = DFlashEngine(target, drafter, tokenizer=tok)
     prompts = [encode_chat(tok, t[0]) for t in load_dataset(args.dataset, args.prompts)]
@@ -77,6 +82,7 @@ def main() -> int:
                "ms": costs(engine, args.context, args.repeats)}
     res["meta"] = {"command": "bench/drafter_weights.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
                    "cpu": cpu_name(), "threads": torch.get_num_threads(), "engine": engine.target.engine_name,
+                   "isa": args.isa,
                    "dataset": args.dataset, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
     write_result(args.out, "drafter_weights", res, report(res), plot)
     print(report(res))
