@@ -24,6 +24,8 @@ sandwich norms). Anything else stays on `HFTarget`, the reference and the fallba
 
 from __future__ import annotations
 
+import functools
+
 import inspect
 import logging
 from dataclasses import dataclass
@@ -98,34 +100,54 @@ TAIL_DEPTH = 32  # the default: deeper than the deepest default tree (block 16, 
 ROPE_CHUNK = 1024
 
 
-@dataclass
 class _Split:
-    head: torch.Tensor  # [B, 1, Q, 1, S] additive mask: 0 where the key is visible and before the query's split
-    tail: torch.Tensor  # [B, 1, Q, 1, L] additive mask over the gathered tail keys
-    tail_rows: torch.Tensor  # [B * kvh * Q * L] rows of a cache layer viewed as [B * kvh * max_len, hd]: the slot
-    #                          holding the tail's j-th position, per kv head (slot 0 where masked)
-    head_vis: torch.Tensor  # [B, Q, S] bool: the key slot is in the query's head part (the fused kernel's input)
-    tail_slot: torch.Tensor  # [B, Q, L] the slot of the tail's j-th position, -1 where there is none
+    """Where each query's keys are read from: the head part (committed keys before the query's split, slot order)
+    and the tail (up to L positions from the split, gathered in position order).
+    head_vis [B, Q, S] bool: the key slot is in the query's head part (the fused kernel's input)
+    tail_slot [B, Q, L]: the slot of the tail's j-th position, -1 where there is none (the fused kernel's input)
+    The per-op attention's inputs are derived from those on first use (the fused kernel and the layer stack, which
+    run every step of the default engine, never ask for them: a one-token step need not build them):
+    head [B, 1, Q, 1, S] additive mask: 0 where the key is in the head part
+    tail [B, 1, Q, 1, L] additive mask over the gathered tail keys
+    tail_rows [B * kvh * Q * L]: rows of a cache layer viewed as [B * kvh * max_len, hd] holding the tail's j-th
+    position, per kv head (slot 0 where masked)"""
+
+    def __init__(self, head_vis: torch.Tensor, tail_slot: torch.Tensor, dtype: torch.dtype, kvh: int, max_len: int):
+        self.head_vis, self.tail_slot = head_vis, tail_slot
+        self._dtype, self._kvh, self._max_len = dtype, kvh, max_len
 
     @staticmethod
     def build(vis: torch.Tensor, rel: torch.Tensor, dtype: torch.dtype, kvh: int, max_len: int, L: int) -> "_Split":
         """vis [B, Q, S] bool: key visible to query; rel [B, Q, S]: key position - query split; L: tail length."""
         B, Q, S = vis.shape
-        f = torch.promote_types(dtype, torch.float32)
         in_tail = vis & (rel >= 0)
         j = torch.where(in_tail, rel, L).clamp(max=L)  # bucket L collects everything else
-        slot = torch.zeros((B, Q, L + 1), dtype=torch.long, device=vis.device)
-        slot.scatter_(2, j, torch.arange(S, device=vis.device).expand(B, Q, S))  # one visible key per position
-        valid = torch.zeros((B, Q, L + 1), dtype=torch.bool, device=vis.device).scatter_(2, j, in_tail)
-        zero = torch.zeros((), dtype=f, device=vis.device)
-        head = torch.where(vis & (rel < 0), zero, float("-inf"))[:, None, :, None]
-        tail = torch.where(valid[..., :L], zero, float("-inf"))[:, None, :, None]
-        tail_slot = torch.where(valid[..., :L], slot[..., :L], -1)
+        slot = torch.full((B, Q, L + 1), -1, dtype=torch.long, device=vis.device)
+        # one visible key per position; positions with none keep -1 (in_tail's keys only land in buckets < L)
+        slot.scatter_(2, j, torch.where(in_tail, torch.arange(S, device=vis.device), -1).expand(B, Q, S))
+        return _Split(vis & (rel < 0), slot[..., :L], dtype, kvh, max_len)
+
+    @functools.cached_property
+    def _zero(self) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.promote_types(self._dtype, torch.float32), device=self.head_vis.device)
+
+    @functools.cached_property
+    def head(self) -> torch.Tensor:
+        return torch.where(self.head_vis, self._zero, float("-inf"))[:, None, :, None]
+
+    @functools.cached_property
+    def tail(self) -> torch.Tensor:
+        return torch.where(self.tail_slot >= 0, self._zero, float("-inf"))[:, None, :, None]
+
+    @functools.cached_property
+    def tail_rows(self) -> torch.Tensor:
         # Masked tail entries read slot 0 (finite K/V: exp(-inf) = 0 times a finite value adds an exact zero).
-        slot = torch.where(valid[..., :L], slot[..., :L], 0).view(B, 1, Q * L)
-        base = (torch.arange(B, device=vis.device)[:, None, None] * kvh
-                + torch.arange(kvh, device=vis.device)[None, :, None]) * max_len
-        return _Split(head, tail, (base + slot).view(-1), vis & (rel < 0), tail_slot)
+        B, Q, L = self.tail_slot.shape
+        dev = self.tail_slot.device
+        slot = self.tail_slot.clamp(min=0).view(B, 1, Q * L)
+        base = (torch.arange(B, device=dev)[:, None, None] * self._kvh
+                + torch.arange(self._kvh, device=dev)[None, :, None]) * self._max_len
+        return (base + slot).view(-1)
 
 
 class LeanTarget(HFTarget):
