@@ -28,7 +28,6 @@ import functools
 
 import inspect
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
