@@ -243,7 +243,7 @@ def layer_stack(drafter: DFlashDrafter, q8: bool | None = None):
     (`DFlashEngine` does, next to a stacked target).
     q8: the linears as Q8_0 copies on 8-bit activations (`RowLinear.q8_from_bf16`, qlinear.cpp): half the bytes a
     drafting step reads, and a drafter's numbers need not match anything, only its acceptance (unchanged: chain tau
-    1.9505 vs 1.9513 on 40 held-out prompts; a drafting step at blocks 2-4 ~0.6 ms shorter, `draft-q8/`). None: yes,
+    1.9266 vs 1.9284 on 40 held-out prompts; a drafting step at blocks 2-4 0.6-0.8 ms shorter, `draft-q8/`). None: yes,
     unless DFLASHKIT_DRAFTER_BF16=1 (A/B runs). Which ran is `drafter.stack_weights`."""
     from .kernels import RowLinear, load, stack_linear
 
