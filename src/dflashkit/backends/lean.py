@@ -25,7 +25,6 @@ sandwich norms). Anything else stays on `HFTarget`, the reference and the fallba
 from __future__ import annotations
 
 import functools
-
 import inspect
 import logging
 

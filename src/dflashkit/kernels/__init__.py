@@ -167,6 +167,7 @@ class RowLinear:
         self.scale = empty if scale is None else scale.to(torch.float32).contiguous()
         self.minimum = empty if minimum is None else minimum.to(torch.float32).contiguous()
         self.shape = (n_out, in_features)
+        self._packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # `packed`, once computed
 
     @classmethod
     def from_bf16(cls, w: torch.Tensor) -> "RowLinear":
@@ -232,7 +233,7 @@ class RowLinear:
         chunks holding four consecutive elements of the 16 rows (the layout is stated in qlinear.cpp); scales
         fp32 [groups, blocks, 16]; q4_1 mins fp32 / q8_0 int32 corrections (128 x the block's code sum) alike.
         Rows past N (up to a multiple of 16) are zeros. Computed once, then kept."""
-        if getattr(self, "_packed", None) is None:
+        if self._packed is None:
             self._packed = _pack(self)
         return self._packed
 

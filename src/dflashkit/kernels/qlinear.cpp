@@ -190,14 +190,14 @@ DFK_VNNI void vnni_four(const Packed& W, int64_t g, const QActs& X, int64_t t0, 
 template <int KIND>
 DFK_VNNI void vnni_range(const Packed& W, int64_t g0, int64_t g1, const QActs& X, int64_t M, float* y, int64_t N) {
   for (int64_t g = g0; g < g1;) {
-    const bool four = g + 4 <= g1;
+    const bool quad = g + 4 <= g1;
     int64_t t = 0;
-    for (; t + 4 <= M; t += 4) four ? vnni_four<KIND, 4>(W, g, X, t, y, N) : vnni_tile<KIND, 4, 1>(W, g, X, t, y, N);
+    for (; t + 4 <= M; t += 4) quad ? vnni_four<KIND, 4>(W, g, X, t, y, N) : vnni_tile<KIND, 4, 1>(W, g, X, t, y, N);
     const int64_t left = M - t;
-    if (left == 3) four ? vnni_four<KIND, 3>(W, g, X, t, y, N) : vnni_tile<KIND, 3, 1>(W, g, X, t, y, N);
-    if (left == 2) four ? vnni_four<KIND, 2>(W, g, X, t, y, N) : vnni_tile<KIND, 2, 1>(W, g, X, t, y, N);
-    if (left == 1) four ? vnni_four<KIND, 1>(W, g, X, t, y, N) : vnni_tile<KIND, 1, 1>(W, g, X, t, y, N);
-    g += four ? 4 : 1;
+    if (left == 3) quad ? vnni_four<KIND, 3>(W, g, X, t, y, N) : vnni_tile<KIND, 3, 1>(W, g, X, t, y, N);
+    if (left == 2) quad ? vnni_four<KIND, 2>(W, g, X, t, y, N) : vnni_tile<KIND, 2, 1>(W, g, X, t, y, N);
+    if (left == 1) quad ? vnni_four<KIND, 1>(W, g, X, t, y, N) : vnni_tile<KIND, 1, 1>(W, g, X, t, y, N);
+    g += quad ? 4 : 1;
   }
 }
 
