@@ -43,7 +43,7 @@ def nbytes(w) -> int:
     """Bytes a weight occupies as the kernels read it (a RowLinear's codes, scales and minima, or a tensor)."""
     if isinstance(w, torch.Tensor):
         return w.numel() * w.element_size()
-    parts = w.packed() if w.int8_acts else (w.codes, w.scale, w.minimum)  # 8-bit activations: the packed layout
+    parts = w.packed() if w.path != "rowlinear" else (w.codes, w.scale, w.minimum)  # qlinear, plinear: packed
     return sum(t.numel() * t.element_size() for t in parts)
 
 

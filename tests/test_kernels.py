@@ -49,7 +49,7 @@ def isa(request):
     set_isa("auto")
 
 
-@pytest.mark.parametrize("kind", ["bf16", "q4_1", "q8_0", "q4_1-a8", "q8_0-a8"])
+@pytest.mark.parametrize("kind", ["bf16", "q4_1", "q8_0", "q4_1-a8", "q8_0-a8", "q4_1-exact"])
 @pytest.mark.parametrize("n_out,k", [(7, 32), (130, 64), (49, 608)])
 def test_rows_are_bit_identical_whatever_the_row_count(kind, n_out, k, isa):
     """The property exactness rests on: y[m] has the same bits computed alone, in any block, at any offset."""
@@ -57,8 +57,8 @@ def test_rows_are_bit_identical_whatever_the_row_count(kind, n_out, k, isa):
         pytest.skip("the ISA switch concerns the bf16 and the 8-bit-activation paths only")
     torch.manual_seed(n_out + k)
     w = torch.randn(n_out, k)
-    lin = RowLinear.from_bf16(w.bfloat16()) if kind == "bf16" else _ggml(kind.removesuffix("-a8"), w)[0]
-    lin = lin.with_int8_acts() if kind.endswith("-a8") else lin
+    lin = RowLinear.from_bf16(w.bfloat16()) if kind == "bf16" else _ggml(kind.split("-")[0], w)[0]
+    lin = lin.with_int8_acts() if kind.endswith("-a8") else lin.with_exact_codes() if kind.endswith("-exact") else lin
     x = torch.randn(37, k).bfloat16()
     full = lin(x)
     assert full.dtype == torch.bfloat16 and full.shape == (37, n_out)
@@ -128,6 +128,53 @@ def test_int8_activations_compute_their_definition(kind, k):
     assert torch.allclose(got, fp, rtol=0.02, atol=0.02 * float(fp.abs().max()))
     with pytest.raises(ValueError, match="8-bit activations"):
         RowLinear.from_bf16(w.bfloat16()).with_int8_acts()
+
+
+def _exact_codes_definition(lin: RowLinear, x: torch.Tensor) -> torch.Tensor:
+    """plinear.cpp's layer written plainly in fp32 torch ops (each rounded to nearest even): per block, S = 0 and for
+    the 16 element pairs (a, c) in the packed order, S += (128 + q_c) x_c, then S += (128 + q_a) x_a (`dpbf16ps`
+    adds a pair's high word first; its products are exact); then acc = fma(S, d, acc), acc = fma(m - 128 d, X_b, acc)
+    with X_b the block's activations summed in element order."""
+    n, k = lin.shape
+    b = lin.codes.view(n, k // 32, 16)
+    q = torch.cat([b & 0x0F, b >> 4], dim=-1).float()  # [N, nb, 32] in element order
+    xf = x.float().view(x.shape[0], k // 32, 32)
+    order = [(8 * p + a, 8 * p + c) for p in range(4) for a, c in ((0, 2), (4, 6), (1, 3), (5, 7))]
+    fma = (lambda a, b, c: (a.double() * b.double() + c.double()).float())
+    acc = torch.zeros(x.shape[0], n)
+    for blk in range(k // 32):
+        s = torch.zeros(x.shape[0], n)
+        for a, c in order:
+            s = s + (128 + q[None, :, blk, c]) * xf[:, None, blk, c]
+            s = s + (128 + q[None, :, blk, a]) * xf[:, None, blk, a]
+        d, m = lin.scale.view(n, -1)[:, blk], lin.minimum.view(n, -1)[:, blk]
+        total = torch.zeros(x.shape[0])
+        for j in range(32):
+            total = total + xf[:, blk, j]
+        acc = fma(s, d[None], acc)
+        acc = fma((m - 128 * d)[None], total[:, None], acc)
+    return acc
+
+
+@pytest.mark.parametrize("k", [192, 160])  # an even and an odd number of 32-blocks
+def test_exact_codes_compute_their_definition(k):
+    """`--quant int4` on an AVX512-BF16 CPU (plinear.cpp): Q4_1 codes enter bf16 products as 128 + q, so the layer is
+    the codes' own weights d q + m against bf16 activations, with fp32 sums; equal to its definition to the bit and
+    far closer to the float64 product than the bf16-rounded weights' layer."""
+    lin = _ggml("q4_1", torch.randn(70, k))[0].with_exact_codes()  # four full groups of 16 rows and a partial one
+    if lin.path != "plinear":
+        pytest.skip("no AVX512-BF16 here: --quant int4 runs rowlinear's fp32 products (tested above)")
+    torch.manual_seed(4)
+    x = (torch.randn(9, k) * torch.linspace(0.1, 3, k)).bfloat16()
+    x[2, :32] = 0  # an all-zero block
+    got = lin(x, out_fp32=True)
+    assert torch.equal(got, _exact_codes_definition(lin, x))
+    exact = (x.double() @ lin.dequantize().double().T)
+    rounded = x.float() @ lin.as_bf16().float().T  # the bf16 model's weights
+    assert (got.double() - exact).abs().max() * 20 < (rounded.double() - exact).abs().max()
+    assert lin(x).dtype == torch.bfloat16 and torch.equal(lin(x), got.bfloat16())
+    with pytest.raises(ValueError, match="exact codes"):
+        RowLinear.from_bf16(torch.zeros(4, 32, dtype=torch.bfloat16)).with_exact_codes()
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])

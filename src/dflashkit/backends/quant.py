@@ -114,7 +114,10 @@ def attach_gguf_codes(target, gguf_path: str | Path, int8_acts: bool = False, sa
         elif not _close(lin, hf_weight):
             raise DFlashError(f"{name} in {gguf_path} does not dequantise to the weights loaded from it; the file's "
                               "layout is not one this loader knows. Drop --quant.")
-        return lin.with_int8_acts() if int8_acts else lin
+        if same_bits:
+            return lin
+        # --quant int4: the codes' own values (plinear on AVX512-BF16 CPUs), not the bf16 model's rounded weights
+        return lin.with_int8_acts() if int8_acts else lin.with_exact_codes()
 
     nh, nkv = target.num_heads, target.num_kv_heads
     new = []  # every layer's linears first: a tensor that fails leaves the target untouched

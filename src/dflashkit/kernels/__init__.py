@@ -2,8 +2,8 @@
 computed (fp32 products, or for 4/8-bit weights optionally 8-bit activations and integer dot products), and
 `attend`, the lean target's attention in one row-invariant call per layer.
 
-The C++ sources (module.cpp, rowlinear.cpp, qlinear.cpp, attention.cpp; simd.h holds the helpers both kernels share) are
-compiled once per torch version with torch's extension builder (g++ and the `ninja` package) into
+The C++ sources (module.cpp, rowlinear.cpp, qlinear.cpp, plinear.cpp, attention.cpp; simd.h holds the helpers the
+kernels share) are compiled once per torch version with torch's extension builder (g++ and the `ninja` package) into
 ~/.cache/dflashkit/kernels and loaded from there afterwards.
 Where they cannot be built (no compiler, no AVX2/FMA, not x86-64), `available()` says why and callers keep torch's
 kernels.
@@ -26,10 +26,11 @@ from ..measurements import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("module.cpp", "rowlinear.cpp", "qlinear.cpp", "attention.cpp",
-                                                  "layers.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("module.cpp", "rowlinear.cpp", "qlinear.cpp", "plinear.cpp",
+                                                  "attention.cpp", "layers.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "ops.h")]
 KINDS = {"bf16": 0, "q4_1": 1, "q8_0": 2}
+PATHS = {"rowlinear": 0, "qlinear": 1, "plinear": 2}  # which kernel a stacked linear calls (layers.cpp `Linear`)
 _state: dict = {}
 
 
@@ -152,7 +153,8 @@ class RowLinear:
     with `out_fp32=True`). Every output row is computed the same way whatever M is (rowlinear.cpp)."""
 
     def __init__(self, kind: str, codes: torch.Tensor, n_out: int, in_features: int,
-                 scale: torch.Tensor | None = None, minimum: torch.Tensor | None = None, int8_acts: bool = False):
+                 scale: torch.Tensor | None = None, minimum: torch.Tensor | None = None, int8_acts: bool = False,
+                 exact_codes: bool = False):
         if kind not in KINDS:
             raise ValueError(f"unknown weight kind {kind!r}; one of {', '.join(KINDS)}")
         if int8_acts and kind == "bf16":
@@ -160,6 +162,9 @@ class RowLinear:
         # int8_acts: each token's row rounded to int8 per 32-block, integer dot products (qlinear.cpp) - the way
         # llama.cpp computes; a different (coarser) layer than the fp32-product one, row-invariant too.
         self.int8_acts = int8_acts
+        # exact_codes: 4-bit codes enter the products as their own values (w = d * q + m, never rounded to bf16;
+        # plinear.cpp on AVX512-BF16 CPUs), instead of decoded to bf16 weights; the `--quant int4` target.
+        self.exact_codes = exact_codes and not int8_acts
         if in_features % 32:
             raise ValueError(f"in_features must be a multiple of 32 (got {in_features})")
         self.kind, self.codes, self.n_out, self.in_features = kind, codes.contiguous(), n_out, in_features
@@ -209,24 +214,44 @@ class RowLinear:
         if len({(p.kind, p.in_features) for p in parts}) != 1:
             raise ValueError("RowLinear.cat needs layers of one kind and one input width")
         opt = (lambda ts: torch.cat(ts) if ts[0].numel() else None)
-        if len({p.int8_acts for p in parts}) != 1:
-            raise ValueError("RowLinear.cat needs layers that all use (or all skip) 8-bit activations")
+        if len({(p.int8_acts, p.exact_codes) for p in parts}) != 1:
+            raise ValueError("RowLinear.cat needs layers that all read their codes alike (8-bit activations, exact)")
         return RowLinear(parts[0].kind, torch.cat([p.codes for p in parts]), sum(p.n_out for p in parts),
                          parts[0].in_features, opt([p.scale for p in parts]), opt([p.minimum for p in parts]),
-                         parts[0].int8_acts)
+                         parts[0].int8_acts, parts[0].exact_codes)
 
     def select_rows(self, index: torch.Tensor) -> "RowLinear":
         """The layer restricted to output rows `index` (e.g. undoing a row permutation)."""
         pick = (lambda t: t.reshape(self.n_out, -1)[index] if t.numel() else t)
         return RowLinear(self.kind, pick(self.codes), len(index), self.in_features, pick(self.scale) if
                          self.scale.numel() else None, pick(self.minimum) if self.minimum.numel() else None,
-                         self.int8_acts)
+                         self.int8_acts, self.exact_codes)
 
     def with_int8_acts(self) -> "RowLinear":
         """The same weights applied to 8-bit activations with integer dot products (`qlinear.cpp`)."""
         return RowLinear(self.kind, self.codes, self.n_out, self.in_features,
                          self.scale if self.scale.numel() else None, self.minimum if self.minimum.numel() else None,
                          True)
+
+    def with_exact_codes(self) -> "RowLinear":
+        """The same codes read as their own values on bf16 activations (`exact_codes`; plinear.cpp for Q4_1)."""
+        if self.kind == "bf16":
+            raise ValueError("exact codes need 4/8-bit weights (q4_1, q8_0), not bf16")
+        return RowLinear(self.kind, self.codes, self.n_out, self.in_features,
+                         self.scale if self.scale.numel() else None, self.minimum if self.minimum.numel() else None,
+                         exact_codes=True)
+
+    @property
+    def path(self) -> str:
+        """The kernel that reads this layer here: "qlinear" (8-bit activations), "plinear" (Q4_1 codes' exact values
+        on an AVX512-BF16 CPU), else "rowlinear" (whose AVX2 path multiplies codes' exact fp32 values too; a Q8_0
+        layer's codes are decoded to bf16 on the AVX512-BF16 path even with `exact_codes`). Asked when the layer
+        runs or is stacked: the ISA may be switched (`set_isa`) in between."""
+        if self.int8_acts:
+            return "qlinear"
+        if self.exact_codes and self.kind == "q4_1" and load() is not None and load().plinear_available():
+            return "plinear"
+        return "rowlinear"
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The codes as qlinear.cpp reads them (8-bit activations): groups of 16 rows, each block's codes in 64-byte
@@ -259,8 +284,11 @@ class RowLinear:
         mod = load()
         if mod is None:
             raise RuntimeError(f"row-invariant kernels unavailable: {why_unavailable()}")
-        if self.int8_acts:
+        path = self.path
+        if path == "qlinear":
             return mod.qlinear(x, *self.packed(), KINDS[self.kind], self.n_out, not out_fp32)
+        if path == "plinear" and x.dtype == torch.bfloat16:  # fp32 rows: rowlinear's fp32 products (exact codes too)
+            return mod.plinear(x, *self.packed(), self.n_out, not out_fp32)
         return mod.rowlinear(x, self.codes, self.scale, self.minimum, KINDS[self.kind], self.n_out, not out_fp32)
 
 
@@ -317,5 +345,6 @@ def use_rowlinear_in(module: torch.nn.Module) -> int:
 
 def stack_linear(w: RowLinear):
     """`w` as the layer stack's C++ linear (kernels/layers.cpp reads the same code, scale and minimum tensors)."""
-    codes, scale, minimum = w.packed() if w.int8_acts else (w.codes, w.scale, w.minimum)
-    return load().StackLinear(codes, scale, minimum, KINDS[w.kind], w.n_out, w.int8_acts)
+    path = w.path
+    codes, scale, minimum = w.packed() if path != "rowlinear" else (w.codes, w.scale, w.minimum)
+    return load().StackLinear(codes, scale, minimum, KINDS[w.kind], w.n_out, PATHS[path])

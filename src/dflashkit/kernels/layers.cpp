@@ -64,13 +64,15 @@ inline void rotate_row(uint16_t* x, const uint16_t* cos, const uint16_t* sin, in
   }
 }
 
-// A linear layer as RowLinear holds it (kernels/__init__.py): codes, scales, minimums, kind, rows, 8-bit acts.
+// A linear layer as RowLinear holds it (kernels/__init__.py): codes, scales, minimums, kind, rows, and which kernel
+// reads them (`RowLinear.path`: 0 rowlinear, 1 qlinear on packed codes, 2 plinear on packed codes).
 struct Linear {
   torch::Tensor codes, d, m;
-  int64_t kind, n_out;
-  bool int8_acts;
+  int64_t kind, n_out, path;
   torch::Tensor operator()(const torch::Tensor& x) const {  // x [M, K] bf16 -> [M, n_out] bf16
-    return int8_acts ? qlinear(x, codes, d, m, kind, n_out, true) : rowlinear(x, codes, d, m, kind, n_out, true);
+    if (path == 1) return qlinear(x, codes, d, m, kind, n_out, true);
+    if (path == 2) return plinear(x, codes, d, m, n_out, true);
+    return rowlinear(x, codes, d, m, kind, n_out, true);
   }
 };
 
@@ -295,7 +297,7 @@ void register_stack(pybind11::module& mod) {
   namespace py = pybind11;
   py::class_<Linear>(mod, "StackLinear")
       .def(py::init([](torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind, int64_t n_out,
-                       bool int8_acts) { return Linear{codes, d, m, kind, n_out, int8_acts}; }));
+                       int64_t path) { return Linear{codes, d, m, kind, n_out, path}; }));
   py::class_<Stack>(mod, "Stack")
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &Stack::add_layer)

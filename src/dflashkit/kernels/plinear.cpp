@@ -1,0 +1,176 @@
+// Row-invariant linear layers on packed Q4_1 codes with bf16 activations (CPUs with AVX512-BF16):
+// y[M, N] = x[M, K] . W[N, K]^T, W the GGUF's own 4-bit values, w = d * q + m per 32-block, never rounded.
+//
+// Why: rowlinear's dot-product path decodes each weight to bf16 (fma(d, q, m) rounded), sums 16 partial lanes per
+// output and adds them up at the end; decoding costs ~9 instructions per 32 weights and the horizontal sums ~40 % of
+// a 4-token tile's work. Here a lane is a weight ROW (16 rows per vector, the packed layout qlinear reads) and the
+// codes enter the products as they are: the bf16 value 128 + q has the bits 0x4300 | q, so a nibble becomes a bf16
+// operand with one mask-and-or (q < 16 needs 4 of bf16's 7 fraction bits; 128 + q is exact), and one `dpbf16ps`
+// multiplies a pair of elements of 16 rows by a broadcast pair of activations. No horizontal sum, no buffer.
+//
+// The arithmetic, for every output element (token t, weight row n), whatever M is and whichever thread computes it:
+//   acc = 0 (fp32); for blocks b = 0, 1, ...:
+//     S = 0; for the block's 16 element pairs (a, c) in the order below:
+//         S = dpbf16(S, (128 + q_a, 128 + q_c), (x_a, x_c))   (the instruction's own arithmetic: both products exact
+//         in fp32, added to S with round-to-nearest-even, the high word's first; denormals flushed)
+//     acc = fma(S, d, acc)
+//     acc = fma(m - 128 d, X_b, acc)        (m - 128 d rounded to fp32 once; X_b = the block's 32 activations summed
+//                                              in fp32 in element order)
+//   y = acc
+// so y = sum_b d (sum q x) + m X_b, the codes' own weights: the products are exact, the sums fp32 (far finer than the
+// 2^-9 per weight that rounding a weight to bf16 costs). S is a float sum, so its order is fixed: pairs in the order
+// of the packed chunks p = 0..3 and, within a chunk, the four nibble positions s = 0..3 (below); every width runs
+// that one chain per lane.
+//
+// Packed q4_1 (kernels/__init__.py `_pack`, stated in qlinear.cpp): per (group of 16 rows, block) 4 chunks of 64
+// bytes; chunk p, byte 4 r + e: low nibble q[r][8 p + e], high nibble q[r][8 p + 4 + e]. Read as 16-bit words, row r
+// owns words 2 r, 2 r + 1 (bytes 4 r .. 4 r + 3); nibble position s (bits 4 s .. 4 s + 3 of each word) holds the pair
+//   s = 0: (8 p, 8 p + 2)   s = 1: (8 p + 4, 8 p + 6)   s = 2: (8 p + 1, 8 p + 3)   s = 3: (8 p + 5, 8 p + 7)
+// The activations are laid out once per call in that pair order (`pairs`), so each pair is one 32-bit broadcast.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+
+#include "simd.h"
+
+namespace {
+
+using dflashkit::round_to_bf16;
+
+constexpr int64_t GROUP = 16;  // weight rows per packed group
+constexpr int PAIR[4][2] = {{0, 2}, {4, 6}, {1, 3}, {5, 7}};  // nibble position s -> the pair's elements (+ 8 p)
+
+#define DFK_PBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+struct Codes {
+  const uint8_t* codes;  // [groups, blocks, 4 x 64 bytes]
+  const float* d;        // [groups, blocks, 16]
+  const float* m;        // [groups, blocks, 16]
+  int64_t nb;
+};
+
+struct Acts {
+  const uint32_t* pairs;  // [M, blocks, 16]: the bf16 pair (low word, high word) for chunk p, position s at 4 p + s
+  const float* sum;       // [M, blocks]: X_b
+  int64_t nb;
+};
+
+// MR tokens (t0 ..) x R groups (g0 ..): out lanes = rows.
+template <int MR, int R>
+DFK_PBF16 void pbf16_tile(const Codes& W, int64_t g0, const Acts& X, int64_t t0, float* y, int64_t N) {
+  __m512 acc[MR][R];
+  for (int t = 0; t < MR; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi16(0x000f), bias = _mm512_set1_epi16(0x4300);  // 0x4300: bf16 128.0
+  const int64_t stride = W.nb * 256;  // the next group's same block
+  for (int64_t b = 0; b < W.nb; ++b) {
+    __m512 S[MR][R];
+    for (int t = 0; t < MR; ++t)
+      for (int r = 0; r < R; ++r) S[t][r] = _mm512_setzero_ps();
+    const uint8_t* c = W.codes + (g0 * W.nb + b) * 256;
+    for (int p = 0; p < 4; ++p) {
+      __m512i v[R];
+      for (int r = 0; r < R; ++r) v[r] = _mm512_loadu_si512(c + r * stride + 64 * p);
+      for (int s = 0; s < 4; ++s) {
+        __m512bh w[R];
+        // (v >> 4 s) & 0xf | 0x4300 per 16-bit word: one ternary logic op (A & B | C: 0xEA)
+        for (int r = 0; r < R; ++r)
+          w[r] = (__m512bh)_mm512_ternarylogic_epi32(s ? _mm512_srli_epi16(v[r], 4 * s) : v[r], low4, bias, 0xEA);
+        for (int t = 0; t < MR; ++t) {
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(X.pairs[((t0 + t) * X.nb + b) * 16 + 4 * p + s]);
+          for (int r = 0; r < R; ++r) S[t][r] = _mm512_dpbf16_ps(S[t][r], w[r], xv);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t o = ((g0 + r) * W.nb + b) * GROUP;
+      const __m512 d = _mm512_loadu_ps(W.d + o);
+      const __m512 m = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, _mm512_loadu_ps(W.m + o));  // 128 d is exact
+      for (int t = 0; t < MR; ++t) {
+        acc[t][r] = _mm512_fmadd_ps(S[t][r], d, acc[t][r]);
+        acc[t][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(X.sum[(t0 + t) * X.nb + b]), acc[t][r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t n0 = (g0 + r) * GROUP;
+    if (n0 >= N) break;
+    const __mmask16 keep = N - n0 >= GROUP ? 0xffff : static_cast<__mmask16>((1u << (N - n0)) - 1);
+    for (int t = 0; t < MR; ++t) _mm512_mask_storeu_ps(y + (t0 + t) * N + n0, keep, acc[t][r]);
+  }
+}
+
+// MR tokens against groups g0 .. g1: R groups at a time while they last (one at a time after), R chosen so that
+// the S and acc registers (2 MR R) fit beside the codes.
+template <int MR, int R>
+DFK_PBF16 void pbf16_groups(const Codes& W, int64_t g0, int64_t g1, const Acts& X, int64_t t, float* y, int64_t N) {
+  int64_t g = g0;
+  for (; g + R <= g1; g += R) pbf16_tile<MR, R>(W, g, X, t, y, N);
+  for (; g < g1; ++g) pbf16_tile<MR, 1>(W, g, X, t, y, N);
+}
+
+// All M tokens against groups g0 .. g1: tokens 4 at a time, then the tokens left.
+DFK_PBF16 void pbf16_range(const Codes& W, int64_t g0, int64_t g1, const Acts& X, int64_t M, float* y, int64_t N) {
+  int64_t t = 0;
+  for (; t + 4 <= M; t += 4) pbf16_groups<4, 2>(W, g0, g1, X, t, y, N);
+  const int64_t left = M - t;
+  if (left == 3) pbf16_groups<3, 2>(W, g0, g1, X, t, y, N);
+  if (left == 2) pbf16_groups<2, 4>(W, g0, g1, X, t, y, N);
+  if (left == 1) pbf16_groups<1, 4>(W, g0, g1, X, t, y, N);
+}
+
+bool pbf16_cpu() {
+  static const bool cpu = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  return cpu;
+}
+
+}  // namespace
+
+bool plinear_available() { return pbf16_cpu() && !dflashkit_avx2_forced(); }
+
+torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t n_out,
+                      bool out_bf16) {
+  TORCH_CHECK(plinear_available(), "plinear needs a CPU with AVX512-BF16 (and the ISA not forced to avx2)");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0 && x.scalar_type() == torch::kBFloat16,
+              "plinear: x must be bf16 [M, K] with K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), N = n_out, nb = K / 32, groups = (N + GROUP - 1) / GROUP;
+  TORCH_CHECK(codes.is_contiguous() && codes.numel() * codes.element_size() == groups * nb * 256,
+              "plinear: codes must be packed q4_1 [groups, blocks, 4 x 64 bytes] (RowLinear.packed)");
+  for (const torch::Tensor* t : {&d, &m})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->numel() == groups * nb * GROUP,
+                "plinear: scales and mins must be packed fp32 [groups, blocks, 16]");
+  torch::Tensor xb = x.contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  // Per token, once: the activations in the packed pair order, and each block's sum in element order.
+  std::vector<uint32_t> pairs(M * nb * 16);
+  std::vector<float> sums(M * nb);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint16_t* xk = xp + i * K + 32 * b;
+      for (int p = 0; p < 4; ++p)
+        for (int s = 0; s < 4; ++s)
+          pairs[(i * nb + b) * 16 + 4 * p + s] = xk[8 * p + PAIR[s][0]] | uint32_t(xk[8 * p + PAIR[s][1]]) << 16;
+      float total = 0.0f;
+      for (int j = 0; j < 32; ++j) {
+        const uint32_t bits = uint32_t(xk[j]) << 16;
+        float v;
+        std::memcpy(&v, &bits, 4);
+        total += v;
+      }
+      sums[i * nb + b] = total;
+    }
+  torch::Tensor yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  float* yp = yf.data_ptr<float>();
+  const Codes W{static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(), m.data_ptr<float>(), nb};
+  const Acts X{pairs.data(), sums.data(), nb};
+  // Threads split the groups of weight rows: each output element is computed whole by one thread, in the order above.
+  at::parallel_for(0, groups, 1, [&](int64_t a, int64_t z) { pbf16_range(W, a, z, X, M, yp, N); });
+  return out_bf16 ? round_to_bf16(yf) : yf;
+}
