@@ -1,8 +1,9 @@
 """How far each way of computing the default target strays from the same weights computed in float32.
 
 The default SmolLM2 is a Q4_1 GGUF: transformers loads its weights, and every engine target computes the same weights
-with another arithmetic: the default (bf16 activations and weights, the codes read as their exact bf16 values) and
-`--quant int4-a8` (the codes as they are, activations rounded to int8 per 32-block, as llama.cpp computes them).
+with another arithmetic: the default (bf16 activations and weights, the codes read as their exact bf16 values),
+`--quant int4` (the codes' own values against bf16 activations, fp32 sums) and `--quant int4-a8` (the codes as they
+are, activations rounded to int8 per 32-block, as llama.cpp computes them).
 The reference is the HF model in float32 on those weights. On human-written text (the prompts of three sets, chat
 template applied, never the targets' own outputs, which would favour one of them), per next-token position:
   KL(reference || target), whether the target's top-1 token is the reference's, and the text's NLL under each.
@@ -26,7 +27,8 @@ from dflashkit.loader import encode_chat, load_target
 from dflashkit.measurements import cpu_name
 
 DATASETS = ["sharegpt-heldout", "humaneval", "mt-bench-t1"]
-TARGETS = {"bf16 (default)": {"dtype": "bfloat16"}, "int4-a8": {"dtype": "bfloat16", "quant": "int4-a8"}}
+TARGETS = {"bf16 (default)": {"dtype": "bfloat16"}, "int4": {"dtype": "bfloat16", "quant": "int4"},
+           "int4-a8": {"dtype": "bfloat16", "quant": "int4-a8"}}
 
 
 def log_probs(target, ids: list[int]) -> torch.Tensor:
@@ -101,11 +103,12 @@ def plot(res: dict):
     sets = list(res["table"])
     names = list(next(iter(res["table"].values())))
     for i, name in enumerate(names):
-        xs = [j + 0.4 * i for j in range(len(sets))]
-        axes[0].bar(xs, [res["table"][d][name]["mean_kl"] for d in sets], width=0.4, label=name)
-        axes[1].bar(xs, [1 - res["table"][d][name]["top1_agreement"] for d in sets], width=0.4, label=name)
+        width = 0.8 / len(names)
+        xs = [j + width * i for j in range(len(sets))]
+        axes[0].bar(xs, [res["table"][d][name]["mean_kl"] for d in sets], width=width, label=name)
+        axes[1].bar(xs, [1 - res["table"][d][name]["top1_agreement"] for d in sets], width=width, label=name)
     for ax, title in zip(axes, ["mean KL(float32 || target), nats", "top-1 differs from float32 (share)"]):
-        ax.set_xticks([j + 0.2 for j in range(len(sets))], sets)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sets))], sets)
         ax.set_title(title)
         ax.legend()
     fig.tight_layout()

@@ -49,7 +49,7 @@ def isa(request):
     set_isa("auto")
 
 
-@pytest.mark.parametrize("kind", ["bf16", "q4_1", "q8_0", "q4_1-a8", "q8_0-a8", "q4_1-exact"])
+@pytest.mark.parametrize("kind", ["bf16", "q4_1", "q8_0", "q4_1-a8", "q8_0-a8", "q4_1-exact", "q8_0-exact"])
 @pytest.mark.parametrize("n_out,k", [(7, 32), (130, 64), (49, 608)])
 def test_rows_are_bit_identical_whatever_the_row_count(kind, n_out, k, isa):
     """The property exactness rests on: y[m] has the same bits computed alone, in any block, at any offset."""
@@ -131,37 +131,51 @@ def test_int8_activations_compute_their_definition(kind, k):
 
 
 def _exact_codes_definition(lin: RowLinear, x: torch.Tensor) -> torch.Tensor:
-    """plinear.cpp's layer written plainly in fp32 torch ops (each rounded to nearest even): per block, S = 0 and for
-    the 16 element pairs (a, c) in the packed order, S += (128 + q_c) x_c, then S += (128 + q_a) x_a (`dpbf16ps`
-    adds a pair's high word first; its products are exact); then acc = fma(S, d, acc), acc = fma(m - 128 d, X_b, acc)
-    with X_b the block's activations summed in element order."""
+    """plinear.cpp's layer written plainly in fp32 torch ops (each rounded to nearest even). Per block, chains start
+    at 0 and take the element pairs (a, c) in the packed order, each as S += v_c x_c, then S += v_a x_a (`dpbf16ps`
+    adds a pair's high word first; its products are exact). Q4_1: one chain of v = 128 + q, then acc = fma(S, d, acc),
+    acc = fma(m - 128 d, X_b, acc). Q8_0: u = q + 128 = 16 h + l, chains S_l (v = 128 + l) and S_h (v = 128 + h),
+    then acc = fma(S_h, 16 d, acc), fma(S_l, d, acc), fma(-2304 d, X_b, acc). X_b: the block's activations summed in
+    element order."""
     n, k = lin.shape
-    b = lin.codes.view(n, k // 32, 16)
-    q = torch.cat([b & 0x0F, b >> 4], dim=-1).float()  # [N, nb, 32] in element order
-    xf = x.float().view(x.shape[0], k // 32, 32)
-    order = [(8 * p + a, 8 * p + c) for p in range(4) for a, c in ((0, 2), (4, 6), (1, 3), (5, 7))]
+    nb, rows = k // 32, x.shape[0]
+    if lin.kind == "q4_1":
+        b = lin.codes.view(n, nb, 16)
+        chains = [128 + torch.cat([b & 0x0F, b >> 4], dim=-1).float()]  # [N, nb, 32] in element order
+        pairs = [(8 * p + a, 8 * p + c, 0) for p in range(4) for a, c in ((0, 2), (4, 6), (1, 3), (5, 7))]
+    else:
+        u = lin.codes.view(n, nb, 32).to(torch.int32) + 128
+        chains = [128 + (u & 0x0F).float(), 128 + (u >> 4).float()]  # S_l, S_h
+        pairs = [(4 * j + e, 4 * j + e + 2, c) for j in range(8) for e in (0, 1) for c in (0, 1)]
+    xf = x.float().view(rows, nb, 32)
     fma = (lambda a, b, c: (a.double() * b.double() + c.double()).float())
-    acc = torch.zeros(x.shape[0], n)
-    for blk in range(k // 32):
-        s = torch.zeros(x.shape[0], n)
-        for a, c in order:
-            s = s + (128 + q[None, :, blk, c]) * xf[:, None, blk, c]
-            s = s + (128 + q[None, :, blk, a]) * xf[:, None, blk, a]
-        d, m = lin.scale.view(n, -1)[:, blk], lin.minimum.view(n, -1)[:, blk]
-        total = torch.zeros(x.shape[0])
+    acc = torch.zeros(rows, n)
+    for blk in range(nb):
+        s = [torch.zeros(rows, n) for _ in chains]
+        for a, c, ch in pairs:
+            s[ch] = s[ch] + chains[ch][None, :, blk, c] * xf[:, None, blk, c]
+            s[ch] = s[ch] + chains[ch][None, :, blk, a] * xf[:, None, blk, a]
+        d = lin.scale.view(n, -1)[:, blk]
+        total = torch.zeros(rows)
         for j in range(32):
             total = total + xf[:, blk, j]
-        acc = fma(s, d[None], acc)
-        acc = fma((m - 128 * d)[None], total[:, None], acc)
+        if lin.kind == "q4_1":
+            acc = fma(s[0], d[None], acc)
+            acc = fma((lin.minimum.view(n, -1)[:, blk] - 128 * d)[None], total[:, None], acc)
+        else:
+            acc = fma(s[1], 16 * d[None], acc)
+            acc = fma(s[0], d[None], acc)
+            acc = fma(-2304 * d[None], total[:, None], acc)
     return acc
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("k", [192, 160])  # an even and an odd number of 32-blocks
-def test_exact_codes_compute_their_definition(k):
-    """`--quant int4` on an AVX512-BF16 CPU (plinear.cpp): Q4_1 codes enter bf16 products as 128 + q, so the layer is
-    the codes' own weights d q + m against bf16 activations, with fp32 sums; equal to its definition to the bit and
-    far closer to the float64 product than the bf16-rounded weights' layer."""
-    lin = _ggml("q4_1", torch.randn(70, k))[0].with_exact_codes()  # four full groups of 16 rows and a partial one
+def test_exact_codes_compute_their_definition(kind, k):
+    """`--quant int4` on an AVX512-BF16 CPU (plinear.cpp): codes enter bf16 products as 128 + a nibble, so the layer
+    is the codes' own weights (d q + m, d q) against bf16 activations, with fp32 sums; equal to its definition to the
+    bit and far closer to the float64 product than the bf16-rounded weights' layer."""
+    lin = _ggml(kind, torch.randn(70, k))[0].with_exact_codes()  # four full groups of 16 rows and a partial one
     if lin.path != "plinear":
         pytest.skip("no AVX512-BF16 here: --quant int4 runs rowlinear's fp32 products (tested above)")
     torch.manual_seed(4)

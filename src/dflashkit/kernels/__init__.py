@@ -162,7 +162,7 @@ class RowLinear:
         # int8_acts: each token's row rounded to int8 per 32-block, integer dot products (qlinear.cpp) - the way
         # llama.cpp computes; a different (coarser) layer than the fp32-product one, row-invariant too.
         self.int8_acts = int8_acts
-        # exact_codes: 4-bit codes enter the products as their own values (w = d * q + m, never rounded to bf16;
+        # exact_codes: 4/8-bit codes enter the products as their own values (w = d * q (+ m), never rounded to bf16;
         # plinear.cpp on AVX512-BF16 CPUs), instead of decoded to bf16 weights; the `--quant int4` target.
         self.exact_codes = exact_codes and not int8_acts
         if in_features % 32:
@@ -234,7 +234,7 @@ class RowLinear:
                          True)
 
     def with_exact_codes(self) -> "RowLinear":
-        """The same codes read as their own values on bf16 activations (`exact_codes`; plinear.cpp for Q4_1)."""
+        """The same codes read as their own values on bf16 activations (`exact_codes`; plinear.cpp)."""
         if self.kind == "bf16":
             raise ValueError("exact codes need 4/8-bit weights (q4_1, q8_0), not bf16")
         return RowLinear(self.kind, self.codes, self.n_out, self.in_features,
@@ -243,13 +243,12 @@ class RowLinear:
 
     @property
     def path(self) -> str:
-        """The kernel that reads this layer here: "qlinear" (8-bit activations), "plinear" (Q4_1 codes' exact values
-        on an AVX512-BF16 CPU), else "rowlinear" (whose AVX2 path multiplies codes' exact fp32 values too; a Q8_0
-        layer's codes are decoded to bf16 on the AVX512-BF16 path even with `exact_codes`). Asked when the layer
-        runs or is stacked: the ISA may be switched (`set_isa`) in between."""
+        """The kernel that reads this layer here: "qlinear" (8-bit activations), "plinear" (the codes' exact values
+        on an AVX512-BF16 CPU), else "rowlinear" (whose AVX2 path multiplies the codes' exact fp32 values too).
+        Asked when the layer runs or is stacked: the ISA may be switched (`set_isa`) in between."""
         if self.int8_acts:
             return "qlinear"
-        if self.exact_codes and self.kind == "q4_1" and load() is not None and load().plinear_available():
+        if self.exact_codes and load() is not None and load().plinear_available():
             return "plinear"
         return "rowlinear"
 
@@ -288,7 +287,7 @@ class RowLinear:
         if path == "qlinear":
             return mod.qlinear(x, *self.packed(), KINDS[self.kind], self.n_out, not out_fp32)
         if path == "plinear" and x.dtype == torch.bfloat16:  # fp32 rows: rowlinear's fp32 products (exact codes too)
-            return mod.plinear(x, *self.packed(), self.n_out, not out_fp32)
+            return mod.plinear(x, *self.packed(), KINDS[self.kind], self.n_out, not out_fp32)
         return mod.rowlinear(x, self.codes, self.scale, self.minimum, KINDS[self.kind], self.n_out, not out_fp32)
 
 

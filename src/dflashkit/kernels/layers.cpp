@@ -71,7 +71,7 @@ struct Linear {
   int64_t kind, n_out, path;
   torch::Tensor operator()(const torch::Tensor& x) const {  // x [M, K] bf16 -> [M, n_out] bf16
     if (path == 1) return qlinear(x, codes, d, m, kind, n_out, true);
-    if (path == 2) return plinear(x, codes, d, m, n_out, true);
+    if (path == 2) return plinear(x, codes, d, m, kind, n_out, true);
     return rowlinear(x, codes, d, m, kind, n_out, true);
   }
 };

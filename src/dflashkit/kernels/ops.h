@@ -11,9 +11,9 @@ torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, t
 // y = q8(x) . W^T for Q4_1 / Q8_0 weights, integer dot products, row-invariant (qlinear.cpp)
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
                       int64_t n_out, bool out_bf16);
-// y = x . W^T for packed Q4_1 codes (their exact values) and bf16 activations, row-invariant (plinear.cpp)
-torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t n_out,
-                      bool out_bf16);
+// y = x . W^T for packed Q4_1 / Q8_0 codes (their exact values) and bf16 activations, row-invariant (plinear.cpp)
+torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
+                      int64_t n_out, bool out_bf16);
 bool plinear_available();  // an AVX512-BF16 CPU, the ISA not forced to avx2
 // the lean target's attention, row-invariant (attention.cpp)
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor head, torch::Tensor tail,

@@ -1,4 +1,4 @@
-// Row-invariant linear layers on packed Q4_1 codes with bf16 activations (CPUs with AVX512-BF16):
+// Row-invariant linear layers on packed Q4_1 / Q8_0 codes with bf16 activations (CPUs with AVX512-BF16):
 // y[M, N] = x[M, K] . W[N, K]^T, W the GGUF's own 4-bit values, w = d * q + m per 32-block, never rounded.
 //
 // Why: rowlinear's dot-product path decodes each weight to bf16 (fma(d, q, m) rounded), sums 16 partial lanes per
@@ -44,14 +44,16 @@ namespace {
 using dflashkit::round_to_bf16;
 
 constexpr int64_t GROUP = 16;  // weight rows per packed group
-constexpr int PAIR[4][2] = {{0, 2}, {4, 6}, {1, 3}, {5, 7}};  // nibble position s -> the pair's elements (+ 8 p)
+// The activations' pair order (`pairs`): pair 4 p + s of a block holds elements 8 p + PAIR[kind][s] (Q4_1: chunk p,
+// nibble position s; Q8_0: chunks 2 p, 2 p + 1, two pairs each; see pbf16_tile).
+constexpr int PAIR[3][4][2] = {{}, {{0, 2}, {4, 6}, {1, 3}, {5, 7}}, {{0, 2}, {1, 3}, {4, 6}, {5, 7}}};
 
 #define DFK_PBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 struct Codes {
   const uint8_t* codes;  // [groups, blocks, 4 x 64 bytes]
   const float* d;        // [groups, blocks, 16]
-  const float* m;        // [groups, blocks, 16]
+  const float* m;        // [groups, blocks, 16] (Q4_1)
   int64_t nb;
 };
 
@@ -61,38 +63,63 @@ struct Acts {
   int64_t nb;
 };
 
-// MR tokens (t0 ..) x R groups (g0 ..): out lanes = rows.
-template <int MR, int R>
+// One 64-byte chunk's four nibble vectors as bf16 operands: nibble position s of every 16-bit word, as 128 + the
+// nibble (0x4300 | n), via one ternary-logic op: B ? A ^ C : C with A = the shifted codes, B = 0x000f, C = 0x4300
+// (or 0x4308 where the nibble is flipped: Q8_0's high nibbles, `flip`; imm 0x6A).
+template <bool Flip>
+DFK_PBF16 inline __m512bh nibbles(__m512i v, int s) {
+  const __m512i low4 = _mm512_set1_epi16(0x000f);
+  const __m512i c = _mm512_set1_epi16(Flip && (s & 1) ? 0x4308 : 0x4300);
+  return (__m512bh)_mm512_ternarylogic_epi32(s ? _mm512_srli_epi16(v, 4 * s) : v, low4, c, 0x6A);
+}
+
+// MR tokens (t0 ..) x R groups (g0 ..): out lanes = rows. KIND 1 (Q4_1): one chain S per block over its 16 pairs.
+// KIND 2 (Q8_0, codes q in -128..127): u = q + 128 = 16 h + l (h, l nibbles; h is the code's high nibble with its top
+// bit flipped), two chains S_l = sum (128 + l) x and S_h = sum (128 + h) x over the block's 16 pairs each, and
+// sum q x = 16 S_h + S_l - 2304 X_b, so acc = fma(S_h, 16 d, acc); acc = fma(S_l, d, acc); acc = fma(-2304 d, X_b, acc)
+// (16 d and 2304 d = 9 d * 256 exact in fp32: d is an fp16 value). The packed Q8_0 chunk j (8 per block), byte
+// 4 r + e = q[r][4 j + e]: nibble positions s = 0 / 2 hold the low nibbles of elements (4 j, 4 j + 2) / (4 j + 1,
+// 4 j + 3), s = 1 / 3 their high nibbles.
+template <int KIND, int MR, int R>
 DFK_PBF16 void pbf16_tile(const Codes& W, int64_t g0, const Acts& X, int64_t t0, float* y, int64_t N) {
   __m512 acc[MR][R];
   for (int t = 0; t < MR; ++t)
     for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi16(0x000f), bias = _mm512_set1_epi16(0x4300);  // 0x4300: bf16 128.0
-  const int64_t stride = W.nb * 256;  // the next group's same block
+  constexpr int64_t block_bytes = KIND == 1 ? 256 : 512;
+  const int64_t stride = W.nb * block_bytes;  // the next group's same block
   for (int64_t b = 0; b < W.nb; ++b) {
-    __m512 S[MR][R];
+    __m512 S[MR][R], H[KIND == 2 ? MR : 1][R];  // H: Q8_0's high-nibble chains
     for (int t = 0; t < MR; ++t)
       for (int r = 0; r < R; ++r) S[t][r] = _mm512_setzero_ps();
-    const uint8_t* c = W.codes + (g0 * W.nb + b) * 256;
-    for (int p = 0; p < 4; ++p) {
+    if (KIND == 2)
+      for (int t = 0; t < MR; ++t)
+        for (int r = 0; r < R; ++r) H[KIND == 2 ? t : 0][r] = _mm512_setzero_ps();
+    const uint8_t* c = W.codes + (g0 * W.nb + b) * block_bytes;
+    for (int p = 0; p < (KIND == 1 ? 4 : 8); ++p) {
       __m512i v[R];
       for (int r = 0; r < R; ++r) v[r] = _mm512_loadu_si512(c + r * stride + 64 * p);
       for (int s = 0; s < 4; ++s) {
         __m512bh w[R];
-        // (v >> 4 s) & 0xf | 0x4300 per 16-bit word: one ternary logic op (A & B | C: 0xEA)
-        for (int r = 0; r < R; ++r)
-          w[r] = (__m512bh)_mm512_ternarylogic_epi32(s ? _mm512_srli_epi16(v[r], 4 * s) : v[r], low4, bias, 0xEA);
+        for (int r = 0; r < R; ++r) w[r] = nibbles<KIND == 2>(v[r], s);
         for (int t = 0; t < MR; ++t) {
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(X.pairs[((t0 + t) * X.nb + b) * 16 + 4 * p + s]);
-          for (int r = 0; r < R; ++r) S[t][r] = _mm512_dpbf16_ps(S[t][r], w[r], xv);
+          // Q4_1: pair 4 p + s; Q8_0: chunk p's pair s / 2 (s = 0, 1: elements 4 p, 4 p + 2; s = 2, 3: the others)
+          const int64_t i = ((t0 + t) * X.nb + b) * 16 + (KIND == 1 ? 4 * p + s : 2 * p + s / 2);
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(X.pairs[i]);
+          for (int r = 0; r < R; ++r) {
+            if (KIND == 2 && (s & 1)) H[KIND == 2 ? t : 0][r] = _mm512_dpbf16_ps(H[KIND == 2 ? t : 0][r], w[r], xv);
+            else S[t][r] = _mm512_dpbf16_ps(S[t][r], w[r], xv);
+          }
         }
       }
     }
     for (int r = 0; r < R; ++r) {
       const int64_t o = ((g0 + r) * W.nb + b) * GROUP;
       const __m512 d = _mm512_loadu_ps(W.d + o);
-      const __m512 m = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, _mm512_loadu_ps(W.m + o));  // 128 d is exact
+      const __m512 m = KIND == 1 ? _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, _mm512_loadu_ps(W.m + o))  // exact 128 d
+                                 : _mm512_mul_ps(_mm512_set1_ps(-2304.0f), d);
       for (int t = 0; t < MR; ++t) {
+        if (KIND == 2) acc[t][r] = _mm512_fmadd_ps(H[KIND == 2 ? t : 0][r], _mm512_mul_ps(_mm512_set1_ps(16.0f), d),
+                                                   acc[t][r]);
         acc[t][r] = _mm512_fmadd_ps(S[t][r], d, acc[t][r]);
         acc[t][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(X.sum[(t0 + t) * X.nb + b]), acc[t][r]);
       }
@@ -107,22 +134,23 @@ DFK_PBF16 void pbf16_tile(const Codes& W, int64_t g0, const Acts& X, int64_t t0,
 }
 
 // MR tokens against groups g0 .. g1: R groups at a time while they last (one at a time after), R chosen so that
-// the S and acc registers (2 MR R) fit beside the codes.
-template <int MR, int R>
+// the chains and accumulators fit in the 32 vector registers beside the codes.
+template <int KIND, int MR, int R>
 DFK_PBF16 void pbf16_groups(const Codes& W, int64_t g0, int64_t g1, const Acts& X, int64_t t, float* y, int64_t N) {
   int64_t g = g0;
-  for (; g + R <= g1; g += R) pbf16_tile<MR, R>(W, g, X, t, y, N);
-  for (; g < g1; ++g) pbf16_tile<MR, 1>(W, g, X, t, y, N);
+  for (; g + R <= g1; g += R) pbf16_tile<KIND, MR, R>(W, g, X, t, y, N);
+  for (; g < g1; ++g) pbf16_tile<KIND, MR, 1>(W, g, X, t, y, N);
 }
 
 // All M tokens against groups g0 .. g1: tokens 4 at a time, then the tokens left.
+template <int KIND>
 DFK_PBF16 void pbf16_range(const Codes& W, int64_t g0, int64_t g1, const Acts& X, int64_t M, float* y, int64_t N) {
   int64_t t = 0;
-  for (; t + 4 <= M; t += 4) pbf16_groups<4, 2>(W, g0, g1, X, t, y, N);
+  for (; t + 4 <= M; t += 4) pbf16_groups<KIND, 4, 2>(W, g0, g1, X, t, y, N);
   const int64_t left = M - t;
-  if (left == 3) pbf16_groups<3, 2>(W, g0, g1, X, t, y, N);
-  if (left == 2) pbf16_groups<2, 4>(W, g0, g1, X, t, y, N);
-  if (left == 1) pbf16_groups<1, 4>(W, g0, g1, X, t, y, N);
+  if (left == 3) pbf16_groups<KIND, 3, 2>(W, g0, g1, X, t, y, N);
+  if (left == 2) pbf16_groups<KIND, 2, 4>(W, g0, g1, X, t, y, N);
+  if (left == 1) pbf16_groups<KIND, 1, 4>(W, g0, g1, X, t, y, N);
 }
 
 bool pbf16_cpu() {
@@ -135,16 +163,18 @@ bool pbf16_cpu() {
 
 bool plinear_available() { return pbf16_cpu() && !dflashkit_avx2_forced(); }
 
-torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t n_out,
-                      bool out_bf16) {
+torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
+                      int64_t n_out, bool out_bf16) {
   TORCH_CHECK(plinear_available(), "plinear needs a CPU with AVX512-BF16 (and the ISA not forced to avx2)");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0 && x.scalar_type() == torch::kBFloat16,
               "plinear: x must be bf16 [M, K] with K a multiple of 32");
   const int64_t M = x.size(0), K = x.size(1), N = n_out, nb = K / 32, groups = (N + GROUP - 1) / GROUP;
-  TORCH_CHECK(codes.is_contiguous() && codes.numel() * codes.element_size() == groups * nb * 256,
-              "plinear: codes must be packed q4_1 [groups, blocks, 4 x 64 bytes] (RowLinear.packed)");
-  for (const torch::Tensor* t : {&d, &m})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->numel() == groups * nb * GROUP,
+  TORCH_CHECK(kind == 1 || kind == 2, "plinear: kind must be 1 (q4_1) or 2 (q8_0)");
+  TORCH_CHECK(codes.is_contiguous() && codes.numel() * codes.element_size() == groups * nb * (kind == 1 ? 256 : 512),
+              "plinear: codes must be packed [groups, blocks, chunks] (RowLinear.packed)");
+  for (const torch::Tensor* t : {&d, &m})  // (Q8_0's m, qlinear's integer correction, is not read here)
+    TORCH_CHECK(t == &m && kind == 2 ? true : t->scalar_type() == torch::kFloat && t->is_contiguous() &&
+                                                  t->numel() == groups * nb * GROUP,
                 "plinear: scales and mins must be packed fp32 [groups, blocks, 16]");
   torch::Tensor xb = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
@@ -156,7 +186,8 @@ torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
       const uint16_t* xk = xp + i * K + 32 * b;
       for (int p = 0; p < 4; ++p)
         for (int s = 0; s < 4; ++s)
-          pairs[(i * nb + b) * 16 + 4 * p + s] = xk[8 * p + PAIR[s][0]] | uint32_t(xk[8 * p + PAIR[s][1]]) << 16;
+          pairs[(i * nb + b) * 16 + 4 * p + s] =
+              xk[8 * p + PAIR[kind][s][0]] | uint32_t(xk[8 * p + PAIR[kind][s][1]]) << 16;
       float total = 0.0f;
       for (int j = 0; j < 32; ++j) {
         const uint32_t bits = uint32_t(xk[j]) << 16;
@@ -168,9 +199,13 @@ torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
     }
   torch::Tensor yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   float* yp = yf.data_ptr<float>();
-  const Codes W{static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(), m.data_ptr<float>(), nb};
+  const Codes W{static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(),
+                kind == 1 ? m.data_ptr<float>() : nullptr, nb};
   const Acts X{pairs.data(), sums.data(), nb};
   // Threads split the groups of weight rows: each output element is computed whole by one thread, in the order above.
-  at::parallel_for(0, groups, 1, [&](int64_t a, int64_t z) { pbf16_range(W, a, z, X, M, yp, N); });
+  at::parallel_for(0, groups, 1, [&](int64_t a, int64_t z) {
+    if (kind == 1) pbf16_range<1>(W, a, z, X, M, yp, N);
+    else pbf16_range<2>(W, a, z, X, M, yp, N);
+  });
   return out_bf16 ? round_to_bf16(yf) : yf;
 }
