@@ -227,19 +227,21 @@ class RowLinear:
                          self.scale.numel() else None, pick(self.minimum) if self.minimum.numel() else None,
                          self.int8_acts, self.exact_codes)
 
-    def with_int8_acts(self) -> "RowLinear":
-        """The same weights applied to 8-bit activations with integer dot products (`qlinear.cpp`)."""
+    def _read_as(self, int8_acts: bool = False, exact_codes: bool = False) -> "RowLinear":
+        """The same weights, their codes read another way."""
         return RowLinear(self.kind, self.codes, self.n_out, self.in_features,
                          self.scale if self.scale.numel() else None, self.minimum if self.minimum.numel() else None,
-                         True)
+                         int8_acts, exact_codes)
+
+    def with_int8_acts(self) -> "RowLinear":
+        """The same weights applied to 8-bit activations with integer dot products (`qlinear.cpp`)."""
+        return self._read_as(int8_acts=True)
 
     def with_exact_codes(self) -> "RowLinear":
         """The same codes read as their own values on bf16 activations (`exact_codes`; plinear.cpp)."""
         if self.kind == "bf16":
             raise ValueError("exact codes need 4/8-bit weights (q4_1, q8_0), not bf16")
-        return RowLinear(self.kind, self.codes, self.n_out, self.in_features,
-                         self.scale if self.scale.numel() else None, self.minimum if self.minimum.numel() else None,
-                         exact_codes=True)
+        return self._read_as(exact_codes=True)
 
     @property
     def path(self) -> str:
@@ -248,12 +250,13 @@ class RowLinear:
         Asked when the layer runs or is stacked: the ISA may be switched (`set_isa`) in between."""
         if self.int8_acts:
             return "qlinear"
-        if self.exact_codes and load() is not None and load().plinear_available():
+        mod = load() if self.exact_codes else None
+        if mod is not None and mod.plinear_available():
             return "plinear"
         return "rowlinear"
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The codes as qlinear.cpp reads them (8-bit activations): groups of 16 rows, each block's codes in 64-byte
+        """The codes as qlinear.cpp and plinear.cpp read them: groups of 16 rows, each block's codes in 64-byte
         chunks holding four consecutive elements of the 16 rows (the layout is stated in qlinear.cpp); scales
         fp32 [groups, blocks, 16]; q4_1 mins fp32 / q8_0 int32 corrections (128 x the block's code sum) alike.
         Rows past N (up to a multiple of 16) are zeros. Computed once, then kept."""

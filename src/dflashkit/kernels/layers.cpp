@@ -30,13 +30,7 @@ namespace {
 using dflashkit::bf16_round;
 using dflashkit::bf16x8;
 using dflashkit::hsum8;
-
-inline float widen(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using dflashkit::widen;
 
 inline const uint16_t* bits(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 inline uint16_t* bits_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }

@@ -14,7 +14,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
 // y = x . W^T for packed Q4_1 / Q8_0 codes (their exact values) and bf16 activations, row-invariant (plinear.cpp)
 torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
                       int64_t n_out, bool out_bf16);
-bool plinear_available();  // an AVX512-BF16 CPU, the ISA not forced to avx2
+bool plinear_available();  // an AVX512-BF16 CPU, the ISA not forced to avx2 (rowlinear.cpp)
 // the lean target's attention, row-invariant (attention.cpp)
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor head, torch::Tensor tail,
                      double scale);

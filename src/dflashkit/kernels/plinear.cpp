@@ -32,7 +32,6 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "ops.h"
@@ -42,13 +41,14 @@
 namespace {
 
 using dflashkit::round_to_bf16;
+using dflashkit::widen;
 
 constexpr int64_t GROUP = 16;  // weight rows per packed group
 // The activations' pair order (`pairs`): pair 4 p + s of a block holds elements 8 p + PAIR[kind][s] (Q4_1: chunk p,
 // nibble position s; Q8_0: chunks 2 p, 2 p + 1, two pairs each; see pbf16_tile).
 constexpr int PAIR[3][4][2] = {{}, {{0, 2}, {4, 6}, {1, 3}, {5, 7}}, {{0, 2}, {1, 3}, {4, 6}, {5, 7}}};
 
-#define DFK_PBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define DFK_PBF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 struct Codes {
   const uint8_t* codes;  // [groups, blocks, 4 x 64 bytes]
@@ -88,12 +88,9 @@ DFK_PBF16 void pbf16_tile(const Codes& W, int64_t g0, const Acts& X, int64_t t0,
   constexpr int64_t block_bytes = KIND == 1 ? 256 : 512;
   const int64_t stride = W.nb * block_bytes;  // the next group's same block
   for (int64_t b = 0; b < W.nb; ++b) {
-    __m512 S[MR][R], H[KIND == 2 ? MR : 1][R];  // H: Q8_0's high-nibble chains
+    __m512 S[MR][R], H[MR][R];  // H: Q8_0's high-nibble chains (unused for Q4_1: compiled away)
     for (int t = 0; t < MR; ++t)
-      for (int r = 0; r < R; ++r) S[t][r] = _mm512_setzero_ps();
-    if (KIND == 2)
-      for (int t = 0; t < MR; ++t)
-        for (int r = 0; r < R; ++r) H[KIND == 2 ? t : 0][r] = _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) S[t][r] = H[t][r] = _mm512_setzero_ps();
     const uint8_t* c = W.codes + (g0 * W.nb + b) * block_bytes;
     for (int p = 0; p < (KIND == 1 ? 4 : 8); ++p) {
       __m512i v[R];
@@ -106,7 +103,7 @@ DFK_PBF16 void pbf16_tile(const Codes& W, int64_t g0, const Acts& X, int64_t t0,
           const int64_t i = ((t0 + t) * X.nb + b) * 16 + (KIND == 1 ? 4 * p + s : 2 * p + s / 2);
           const __m512bh xv = (__m512bh)_mm512_set1_epi32(X.pairs[i]);
           for (int r = 0; r < R; ++r) {
-            if (KIND == 2 && (s & 1)) H[KIND == 2 ? t : 0][r] = _mm512_dpbf16_ps(H[KIND == 2 ? t : 0][r], w[r], xv);
+            if (KIND == 2 && (s & 1)) H[t][r] = _mm512_dpbf16_ps(H[t][r], w[r], xv);
             else S[t][r] = _mm512_dpbf16_ps(S[t][r], w[r], xv);
           }
         }
@@ -118,8 +115,7 @@ DFK_PBF16 void pbf16_tile(const Codes& W, int64_t g0, const Acts& X, int64_t t0,
       const __m512 m = KIND == 1 ? _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, _mm512_loadu_ps(W.m + o))  // exact 128 d
                                  : _mm512_mul_ps(_mm512_set1_ps(-2304.0f), d);
       for (int t = 0; t < MR; ++t) {
-        if (KIND == 2) acc[t][r] = _mm512_fmadd_ps(H[KIND == 2 ? t : 0][r], _mm512_mul_ps(_mm512_set1_ps(16.0f), d),
-                                                   acc[t][r]);
+        if (KIND == 2) acc[t][r] = _mm512_fmadd_ps(H[t][r], _mm512_mul_ps(_mm512_set1_ps(16.0f), d), acc[t][r]);
         acc[t][r] = _mm512_fmadd_ps(S[t][r], d, acc[t][r]);
         acc[t][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(X.sum[(t0 + t) * X.nb + b]), acc[t][r]);
       }
@@ -153,15 +149,7 @@ DFK_PBF16 void pbf16_range(const Codes& W, int64_t g0, int64_t g1, const Acts& X
   if (left == 1) pbf16_groups<KIND, 1, 4>(W, g0, g1, X, t, y, N);
 }
 
-bool pbf16_cpu() {
-  static const bool cpu = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl");
-  return cpu;
-}
-
 }  // namespace
-
-bool plinear_available() { return pbf16_cpu() && !dflashkit_avx2_forced(); }
 
 torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
                       int64_t n_out, bool out_bf16) {
@@ -189,12 +177,7 @@ torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
           pairs[(i * nb + b) * 16 + 4 * p + s] =
               xk[8 * p + PAIR[kind][s][0]] | uint32_t(xk[8 * p + PAIR[kind][s][1]]) << 16;
       float total = 0.0f;
-      for (int j = 0; j < 32; ++j) {
-        const uint32_t bits = uint32_t(xk[j]) << 16;
-        float v;
-        std::memcpy(&v, &bits, 4);
-        total += v;
-      }
+      for (int j = 0; j < 32; ++j) total += widen(xk[j]);
       sums[i * nb + b] = total;
     }
   torch::Tensor yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));

@@ -409,6 +409,9 @@ bool amx_path() { return bf16_dot_path() && isa_cap == 0 && amx_granted(); }
 
 bool dflashkit_avx2_forced() { return avx2_only; }
 
+// plinear runs where rowlinear's bf16 activations take the AVX512-BF16 dot products (same CPU test, same ISA switch).
+bool plinear_available() { return bf16_dot_path(); }
+
 // Which instruction set the bf16 x bf16 path runs here: "amx", "avx512bf16" or "avx2" (their bits differ).
 std::string rowlinear_isa() { return amx_path() ? "amx" : bf16_dot_path() ? "avx512bf16" : "avx2"; }
 

@@ -27,6 +27,14 @@ __attribute__((target("avx512f"))) inline float hsum16(__m512 v) {
   return hsum8(_mm256_add_ps(lo, hi));
 }
 
+// One bf16 (its bits) -> fp32 (exact: a bf16 is the top half of an fp32).
+inline float widen(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 // 8 bf16 -> 8 fp32 (exact: a bf16 is the top half of an fp32).
 inline __m256 bf16x8(const void* p) {
   return _mm256_castsi256_ps(
