@@ -128,8 +128,9 @@ def main() -> int:
     ap.add_argument("--draft-vocab", type=int, default=None,
                     help="the drafting step's draft vocabulary (default: the drafter's own, 16,384 ids for the bundled "
                          "one, as `dflashkit generate` drafts; 0: the full vocabulary)")
-    ap.add_argument("--quant", default=None, choices=("int4", "int4-a8"),
-                    help="the target's quantised kernels, as `dflashkit generate --quant` (default: the default target)")
+    ap.add_argument("--quant", default="auto", choices=("auto", "none", "int4", "int4-a8"),
+                    help="the target's kernels, as `dflashkit generate --quant` (default: %(default)s, the default "
+                         "target: int4 on AVX512-BF16 CPUs)")
     args = ap.parse_args()
     m = machine(args.repeats)
     set_isa(args.isa)  # before the target loads: the plan (and the bits) follow the path

@@ -1,9 +1,9 @@
 """How far each way of computing the default target strays from the same weights computed in float32.
 
 The default SmolLM2 is a Q4_1 GGUF: transformers loads its weights, and every engine target computes the same weights
-with another arithmetic: the default (bf16 activations and weights, the codes read as their exact bf16 values),
-`--quant int4` (the codes' own values against bf16 activations, fp32 sums) and `--quant int4-a8` (the codes as they
-are, activations rounded to int8 per 32-block, as llama.cpp computes them).
+with another arithmetic: `--quant none` (bf16 activations and weights, the codes read as their exact bf16 values),
+`--quant int4` (the codes' own values against bf16 activations, fp32 sums; the default on AVX512-BF16 CPUs) and
+`--quant int4-a8` (the codes as they are, activations rounded to int8 per 32-block, as llama.cpp computes them).
 The reference is the HF model in float32 on those weights. On human-written text (the prompts of three sets, chat
 template applied, never the targets' own outputs, which would favour one of them), per next-token position:
   KL(reference || target), whether the target's top-1 token is the reference's, and the text's NLL under each;
@@ -33,8 +33,8 @@ from dflashkit.loader import encode_chat, load_target
 from dflashkit.measurements import cpu_name
 
 DATASETS = ["sharegpt-heldout", "humaneval", "mt-bench-t1"]
-TARGETS = {"bf16 (default)": {"dtype": "bfloat16"}, "int4": {"dtype": "bfloat16", "quant": "int4"},
-           "int4-a8": {"dtype": "bfloat16", "quant": "int4-a8"}}
+TARGETS = {"bf16": {"dtype": "bfloat16", "quant": "none"}, "int4": {"dtype": "bfloat16", "quant": "int4"},
+           "int4-a8": {"dtype": "bfloat16", "quant": "int4-a8"}}  # auto (the default) is int4 on AVX512-BF16, else bf16
 
 
 def log_probs(target, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

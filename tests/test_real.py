@@ -300,6 +300,36 @@ def test_cli_generate_int4_target_compares_with_its_own_ar(quant):
     assert re.search(line, out.stdout), out.stdout
 
 
+def test_quant_auto_runs_the_gguf_codes_where_avx512_bf16_else_the_bf16_model(monkeypatch):
+    """`--quant auto` (the default): the default GGUF target runs int4 (its own codes, plinear) where our kernels take
+    AVX512-BF16 dot products, else the bf16 model; DFLASHKIT_BF16_WEIGHTS=1, and a GGUF whose codes cannot run (made
+    to fail here), keep the bf16 model (on its codes' same bits where the CPU decodes them so)."""
+    import dflashkit.backends.quant as quant
+    from dflashkit.errors import DFlashError
+    from dflashkit.kernels import available, isa, why_unavailable
+    from dflashkit.loader import load_target
+
+    if not available():
+        pytest.skip(f"our kernels are unavailable here: {why_unavailable()}")
+    wide = isa() in ("avx512bf16", "amx")
+    t, _ = load_target(None, dtype="bfloat16")
+    assert t.kernel == ("int4" if wide else "rowlinear"), t.engine_name
+    real = quant.attach_gguf_codes
+
+    def only_same_bits(*a, **k):  # the codes' own values fail as a GGUF of other tensor types would
+        if not k.get("same_bits"):
+            raise DFlashError("--quant int4 needs Q4_1 / Q8_0 tensors (a test)")
+        return real(*a, **k)
+    monkeypatch.setattr(quant, "attach_gguf_codes", only_same_bits)
+    fell_back, _ = load_target(None, dtype="bfloat16")
+    assert fell_back.kernel == "rowlinear" and ("+codes" in fell_back.engine_name) == wide, fell_back.engine_name
+    with pytest.raises(DFlashError, match="Q4_1"):  # asked for by name, it is an error, not a fallback
+        load_target(None, dtype="bfloat16", quant="int4")
+    monkeypatch.undo()
+    monkeypatch.setenv("DFLASHKIT_BF16_WEIGHTS", "1")
+    assert load_target(None, dtype="bfloat16")[0].kernel == "rowlinear"
+
+
 def test_the_default_target_reads_its_weights_as_gguf_codes_with_the_same_bits(monkeypatch, dot_product_isa):
     """On an AVX512-BF16 CPU the bf16 default target reads its weights as the GGUF's 4-bit codes (rowlinear decodes
     them to exactly the loaded bf16 values): prefill and verify logits and the drafter's taps equal, to the bit, those
@@ -307,9 +337,9 @@ def test_the_default_target_reads_its_weights_as_gguf_codes_with_the_same_bits(m
     weights otherwise take the tile instructions, other bits)."""
     from dflashkit.loader import load_target
 
-    codes, tok = load_target(None, dtype="bfloat16")
+    codes, tok = load_target(None, dtype="bfloat16", quant="none")  # the bf16 model (auto: int4 on such CPUs)
     monkeypatch.setenv("DFLASHKIT_BF16_WEIGHTS", "1")
-    plain, _ = load_target(None, dtype="bfloat16")
+    plain, _ = load_target(None, dtype="bfloat16", quant="none")
     assert "+codes" in codes.engine_name and "+codes" not in plain.engine_name
     ids = torch.tensor([tok(PROMPTS[0])["input_ids"]])
     P = ids.shape[1]

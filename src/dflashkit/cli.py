@@ -33,7 +33,7 @@ def load_target_and_drafter(args):
 
     return load(args.target, getattr(args, "drafter", None), dtype=args.dtype, device=args.device,
                 backend=getattr(args, "backend", "auto"), kernel=getattr(args, "kernel", "auto"),
-                quant=getattr(args, "quant", "none"))
+                quant=getattr(args, "quant", "auto"))
 
 
 def load_models(args):

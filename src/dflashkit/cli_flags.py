@@ -33,11 +33,13 @@ def add_target_flags(p: argparse.ArgumentParser, drafter: bool = True) -> None:
                         "self-check says); rowlinear = dflashkit's row-invariant C++ linears and attention (AVX2; "
                         "compiled once with g++); auto = rowlinear for bf16 on a CPU where it builds, else torch "
                         "(default: %(default)s)")
-    p.add_argument("--quant", default="none", choices=["none", "int4", "int4-a8"],
-                   help="int4 = run a Q4_1 GGUF target on its own 4-bit codes with the rowlinear kernel (a different "
-                        "target from its bf16 dequantisation, exact against its own AR); int4-a8 = the same codes "
-                        "with each token's activations rounded to 8 bits and integer dot products, as llama.cpp "
-                        "computes (another target again) (default: %(default)s)")
+    p.add_argument("--quant", default="auto", choices=["auto", "none", "int4", "int4-a8"],
+                   help="none = the bf16 model (a Q4_1 GGUF's weights rounded to bf16); int4 = a Q4_1 GGUF target "
+                        "on its own 4-bit codes, exact products on bf16 activations (another target than the bf16 "
+                        "one, exact against its own AR); int4-a8 = the same codes with each token's activations "
+                        "rounded to 8 bits and integer dot products, as llama.cpp computes (another target again); "
+                        "auto = int4 for a GGUF target on a CPU with AVX512-BF16 and --kernel auto, else none "
+                        "(DFLASHKIT_BF16_WEIGHTS=1 keeps none) (default: %(default)s)")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from .errors import DFlashError
 log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "torch", "rowlinear")
-QUANTS = ("none", "int4", "int4-a8")  # int4-a8: the same codes, 8-bit activations (integer dot products)
+QUANTS = ("auto", "none", "int4", "int4-a8")  # int4-a8: the same codes, 8-bit activations (integer dot products)
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class KernelPlan:
     attention: str = "torch"  # torch | attend
     stack: bool = False  # the decoder layers as one C++ call per forward
     sources: str = ""  # our kernels' source digest ("" under torch's): a changed kernel keeps its name
+    auto: bool = False  # int4 chosen by --quant auto: `apply` falls back to the bf16 default where it cannot run
 
     @property
     def ours(self) -> bool:
@@ -72,7 +73,7 @@ def check_names(backend: str, kernel: str, quant: str | None) -> None:
         raise DFlashError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}.")
     if (quant or "none") not in QUANTS:
         raise DFlashError(f"unknown quantisation {quant!r}; choose one of {', '.join(QUANTS)}.")
-    if (kernel == "rowlinear" or quant not in (None, "none")) and backend == "hf":
+    if (kernel == "rowlinear" or quant not in (None, "none", "auto")) and backend == "hf":
         raise DFlashError("--kernel rowlinear and --quant int4 run on the lean backend; drop --backend hf.")
 
 
@@ -85,13 +86,23 @@ def choose(target, gguf: Path | None, kernel: str = "auto", quant: str | None = 
     from AR at rounding ties; and our kernel was also faster there (AR 33.5 vs 17.9 tok/s, one prompt, 2 threads).
     Exactness first: `--kernel torch` stays available, labelled by the self-check. Codes: on AVX512-BF16 rowlinear
     decodes a Q4_1 GGUF's codes to exactly the bf16 weights (one-token step 17.6 -> 10.7 ms, bench/results/kernels);
-    an AVX2 CPU decodes them to fp32 (other bits), so the bf16 weights stay there."""
+    an AVX2 CPU decodes them to fp32 (other bits), so the bf16 weights stay there.
+
+    `--quant auto` (the default; None is auto): with `--kernel auto`, a GGUF target in bf16 on a CPU whose our kernels
+    run on AVX512-BF16 dot products runs `int4`, the GGUF's own codes (plinear.cpp); else none. Why: plain decoding
+    1.24x (AMD EPYC) and 1.45x (Xeon) llama.cpp against the bf16 weights' 0.95x / 1.08x on held-out prompts, and
+    against the float32 model level with them (bench/results/int4-exact-amd, int4-exact, target-fidelity).
+    `DFLASHKIT_BF16_WEIGHTS=1` keeps the bf16 weights; a GGUF whose tensors are not Q4_1 / Q8_0 falls back to them."""
     from .kernels import available, isa, source_id
 
-    quant = quant or "none"
+    quant = quant or "auto"
     lean = callable(getattr(target, "use_rowlinear", None))  # the lean backend: the one our kernels can run
+    ours = lean and target.dtype == torch.bfloat16 and str(target.device) == "cpu" and available()
+    auto = quant == "auto"
+    if auto:
+        quant = "int4" if (kernel == "auto" and ours and gguf is not None and isa() in ("avx512bf16", "amx")
+                           and not os.environ.get("DFLASHKIT_BF16_WEIGHTS")) else "none"
     if kernel == "auto" and quant == "none":
-        ours = lean and target.dtype == torch.bfloat16 and str(target.device) == "cpu" and available()
         kernel = "rowlinear" if ours else "torch"
     if kernel == "torch" and quant == "none":
         return TORCH
@@ -104,7 +115,7 @@ def choose(target, gguf: Path | None, kernel: str = "auto", quant: str | None = 
     codes = (quant == "none" and gguf is not None and isa() in ("avx512bf16", "amx")
              and not os.environ.get("DFLASHKIT_BF16_WEIGHTS"))
     return KernelPlan(linear="rowlinear" if quant == "none" else quant, isa=isa(), codes=codes, attention="attend",
-                      stack=not target.layers_unsupported(), sources=source_id())
+                      stack=not target.layers_unsupported(), sources=source_id(), auto=auto and quant == "int4")
 
 
 def apply(plan: KernelPlan, target, gguf: Path | None, cache: Path) -> KernelPlan:
@@ -115,7 +126,14 @@ def apply(plan: KernelPlan, target, gguf: Path | None, cache: Path) -> KernelPla
     from .backends.quant import NotTheSameBits, attach_gguf_codes
 
     if plan.linear in ("int4", "int4-a8"):
-        attach_gguf_codes(target, gguf, int8_acts=plan.linear == "int4-a8", cache_dir=cache)
+        try:
+            attach_gguf_codes(target, gguf, int8_acts=plan.linear == "int4-a8", cache_dir=cache)
+        except DFlashError as e:  # the target is left as it was
+            if not plan.auto:
+                raise
+            log.info("--quant auto: the GGUF's codes cannot run here (%s); the bf16 weights run", e)
+            return apply(replace(plan, linear="rowlinear", codes=not os.environ.get("DFLASHKIT_BF16_WEIGHTS"),
+                                 auto=False), target, gguf, cache)
     else:
         target.use_rowlinear()
         if plan.codes:

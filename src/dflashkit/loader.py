@@ -242,7 +242,8 @@ def load_target(path: str | os.PathLike | None = None, dtype: str | torch.dtype 
                 device: str = "cpu", backend: str = "auto", check: bool = False, kernel: str = "auto",
                 quant: str | None = None) -> tuple[HFTarget, object]:
     """(target, tokenizer). backend: auto | lean | hf (`make_target`); check: run the exactness self-check;
-    kernel / quant: `apply_kernels`."""
+    kernel / quant: `apply_kernels` (quant None is "auto": int4 for a GGUF target on AVX512-BF16 CPUs, see
+    `kernel_plan.choose`)."""
     from transformers import AutoModelForCausalLM
 
     _check_backend(backend)  # before the weights load

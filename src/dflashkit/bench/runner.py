@@ -45,7 +45,7 @@ class BenchConfig:
     device: str = "cpu"
     backend: str = "auto"  # the target forward (`loader.make_target`)
     kernel: str = "auto"  # lean linears (`kernel_plan.choose`)
-    quant: str = "none"  # int4 / int4-a8: the GGUF's own codes (int4-a8: with 8-bit activations)
+    quant: str = "auto"  # int4 / int4-a8: the GGUF's own codes (int4-a8: with 8-bit activations); auto: `--quant`
     speed_bench_dir: str | None = None
     noise_prompts: int = 8  # AR outputs (first turns) on which the near-tie bound is measured (`rounding_noise`)
     # the tree / lookup settings of the dflash-lookup, dflash-tree and lookup rows (the same defaults as the CLI)
