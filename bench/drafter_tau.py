@@ -38,16 +38,19 @@ def main() -> int:
     ap.add_argument("--datasets", default="sharegpt-heldout,humaneval,mt-bench-t1")
     ap.add_argument("--prompts", type=int, default=16, help="per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--quant", default="auto", choices=("auto", "none", "int4", "int4-a8"),
+                    help="the target, as `dflashkit generate --quant` (default: %(default)s)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    target, tok, bundled, _ = load_models(dtype="bfloat16")
+    target, tok, bundled, _ = load_models(dtype="bfloat16", quant=args.quant)
     drafters = {"bundled": bundled, **{d: load_drafter(d, dtype=target.dtype, num_target_layers=target.num_layers)
                                        for d in args.drafter}}
     plain = DFlashEngine(target, None, tokenizer=tok)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join(["bench/drafter_tau.py"] + sys.argv[1:]), "prompts": args.prompts,
-            "max_new_tokens": args.max_new_tokens, "dtype": "bfloat16", "block_size": 16}
+            "max_new_tokens": args.max_new_tokens, "dtype": "bfloat16", "block_size": 16,
+            "target": target.engine_name}
     done = out / "drafter_tau.json"  # resumable: a dataset already measured with the same drafters is kept
     res = json.loads(done.read_text())["results"] if done.is_file() else {}
     for name in args.datasets.split(","):
