@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,7 +36,8 @@ class KernelPlan:
     attention: str = "torch"  # torch | attend
     stack: bool = False  # the decoder layers as one C++ call per forward
     sources: str = ""  # our kernels' source digest ("" under torch's): a changed kernel keeps its name
-    auto: bool = False  # int4 chosen by --quant auto: `apply` falls back to the bf16 default where it cannot run
+    # int4 chosen by --quant auto: `apply` falls back to the bf16 model where it cannot run (not a kernel: not compared)
+    auto: bool = field(default=False, compare=False)
 
     @property
     def ours(self) -> bool:
@@ -97,13 +98,18 @@ def choose(target, gguf: Path | None, kernel: str = "auto", quant: str | None = 
 
     quant = quant or "auto"
     lean = callable(getattr(target, "use_rowlinear", None))  # the lean backend: the one our kernels can run
-    ours = lean and target.dtype == torch.bfloat16 and str(target.device) == "cpu" and available()
+
+    def ours() -> bool:  # asked only where the choice depends on it: `available` builds the kernels on first use
+        return lean and target.dtype == torch.bfloat16 and str(target.device) == "cpu" and available()
+
+    def dot_codes() -> bool:  # the GGUF's codes read on AVX512-BF16 dot products (bf16's `codes`; auto's int4)
+        return gguf is not None and isa() in ("avx512bf16", "amx") and not os.environ.get("DFLASHKIT_BF16_WEIGHTS")
+
     auto = quant == "auto"
     if auto:
-        quant = "int4" if (kernel == "auto" and ours and gguf is not None and isa() in ("avx512bf16", "amx")
-                           and not os.environ.get("DFLASHKIT_BF16_WEIGHTS")) else "none"
+        quant = "int4" if kernel == "auto" and ours() and dot_codes() else "none"
     if kernel == "auto" and quant == "none":
-        kernel = "rowlinear" if ours else "torch"
+        kernel = "rowlinear" if ours() else "torch"
     if kernel == "torch" and quant == "none":
         return TORCH
     if not lean:
@@ -112,8 +118,7 @@ def choose(target, gguf: Path | None, kernel: str = "auto", quant: str | None = 
     if quant != "none" and gguf is None:
         raise DFlashError("--quant int4 reads a GGUF's own 4-bit codes; this target is not a GGUF target. "
                           "Give --target FILE.gguf (Q4_1), or drop --quant.")
-    codes = (quant == "none" and gguf is not None and isa() in ("avx512bf16", "amx")
-             and not os.environ.get("DFLASHKIT_BF16_WEIGHTS"))
+    codes = quant == "none" and dot_codes()
     return KernelPlan(linear="rowlinear" if quant == "none" else quant, isa=isa(), codes=codes, attention="attend",
                       stack=not target.layers_unsupported(), sources=source_id(), auto=auto and quant == "int4")
 
@@ -132,8 +137,7 @@ def apply(plan: KernelPlan, target, gguf: Path | None, cache: Path) -> KernelPla
             if not plan.auto:
                 raise
             log.info("--quant auto: the GGUF's codes cannot run here (%s); the bf16 weights run", e)
-            return apply(replace(plan, linear="rowlinear", codes=not os.environ.get("DFLASHKIT_BF16_WEIGHTS"),
-                                 auto=False), target, gguf, cache)
+            return apply(choose(target, gguf, "auto", "none"), target, gguf, cache)
     else:
         target.use_rowlinear()
         if plan.codes:
