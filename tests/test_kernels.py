@@ -36,6 +36,35 @@ def test_ggml_blocks_dequantise_as_the_gguf_library_does(kind):
     assert torch.allclose(lin(x, out_fp32=True), x @ ref.T, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("m", [2, 3, 17])
+def test_bf16_outputs_are_the_fp32_outputs_rounded_as_torch_rounds(m):
+    """The kernels round fp32 sums to bf16 eight lanes at a time (simd.h `bf16_round8`) with a scalar tail: each must
+    round to nearest even exactly as torch does, over magnitudes from subnormal to overflow (13 outputs a row, so
+    both paths run), and keep NaN a NaN."""
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(13, 32, generator=g).bfloat16()
+    lin = RowLinear.from_bf16(w)
+    exps = torch.tensor([0.0, -133.0, 126.0, -127.0, 60.0, -90.0])  # row 1: subnormal sums, row 2: some overflow
+    scale = 2.0 ** exps[torch.arange(m) % len(exps)][:, None]
+    x = (torch.randn(m, 32, generator=g) * scale).bfloat16()
+    x[0, 0] = float("nan")
+    fp32 = lin(x, out_fp32=True)
+    got, want = lin(x), fp32.bfloat16()
+    nan = fp32.isnan()
+    assert nan[0].all() and got[nan].isnan().all()
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert (fp32[1].abs() < 2.0 ** -126).any()  # subnormal sums are among them
+    # Exact ties: y[n] = (1 + n 2^-7) + 2^-8, halfway between two bf16 values, n even rounds down, n odd up
+    ties = torch.zeros(13, 32)
+    ties[:, 0], ties[:, 1] = 1 + torch.arange(13) * 2.0 ** -7, 1.0
+    x = torch.zeros(m, 32)
+    x[:, 0], x[:, 1] = 1.0, 2.0 ** -8
+    lin = RowLinear.from_bf16(ties.bfloat16())
+    got, fp32 = lin(x.bfloat16()), lin(x.bfloat16(), out_fp32=True)
+    assert torch.equal(got.view(torch.int16), fp32.bfloat16().view(torch.int16))
+    assert torch.equal(got[0].float(), 1 + (torch.arange(13) + torch.arange(13) % 2) * 2.0 ** -7)
+
+
 @pytest.fixture(params=["auto", "avx512bf16", "avx2"])
 def isa(request):
     """The kernels as this CPU runs them ("auto": rowlinear's bf16 weights on AMX tiles on AMX CPUs, on 16-lane bf16

@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -31,6 +32,10 @@ using dflashkit::bf16_round;
 using dflashkit::bf16x8;
 using dflashkit::hsum8;
 using dflashkit::widen;
+using dflashkit::bf16_round8;
+using dflashkit::widen8;
+using dflashkit::load8x16;
+using dflashkit::store8x16;
 
 inline const uint16_t* bits(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 inline uint16_t* bits_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
@@ -43,18 +48,24 @@ inline void rms_row(const uint16_t* x, const uint16_t* w, int64_t n, float eps, 
     acc = _mm256_fmadd_ps(v, v, acc);
   }
   const float r = 1.0f / std::sqrt(hsum8(acc) / static_cast<float>(n) + eps);
-  for (int64_t k = 0; k < n; ++k) y[k] = bf16_round(widen(w[k]) * widen(bf16_round(widen(x[k]) * r)));
+  const __m256 rv = _mm256_set1_ps(r);
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m256 scaled = widen8(bf16_round8(_mm256_mul_ps(bf16x8(x + k), rv)));
+    store8x16(y + k, bf16_round8(_mm256_mul_ps(bf16x8(w + k), scaled)));
+  }
 }
 
-// NeoX rotary on one head's row of hd, in place: x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)).
+// NeoX rotary on one head's row of hd (hd % 8 == 0), in place: x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)).
+// tmp: 2 hd floats (the row widened, then rotate_half of it).
 inline void rotate_row(uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t hd, float* tmp) {
   const int64_t half = hd / 2;
+  float* rot = tmp + hd;
   for (int64_t k = 0; k < hd; ++k) tmp[k] = widen(x[k]);
-  for (int64_t k = 0; k < hd; ++k) {
-    const float rot = k < half ? -tmp[k + half] : tmp[k - half];
-    const float a = widen(bf16_round(tmp[k] * widen(cos[k])));
-    const float b = widen(bf16_round(rot * widen(sin[k])));
-    x[k] = bf16_round(a + b);
+  for (int64_t k = 0; k < hd; ++k) rot[k] = k < half ? -tmp[k + half] : tmp[k - half];
+  for (int64_t k = 0; k < hd; k += 8) {
+    const __m256 a = widen8(bf16_round8(_mm256_mul_ps(_mm256_loadu_ps(tmp + k), bf16x8(cos + k))));
+    const __m256 b = widen8(bf16_round8(_mm256_mul_ps(_mm256_loadu_ps(rot + k), bf16x8(sin + k))));
+    store8x16(x + k, bf16_round8(_mm256_add_ps(a, b)));
   }
 }
 
@@ -81,7 +92,7 @@ uint16_t silu_bits(uint16_t gb) {
 // cost ~20x a lookup, and a token's MLP applies it to every intermediate element (1,536 x 30 layers per token).
 const std::vector<uint16_t>& silu_table() {
   static const std::vector<uint16_t> table = [] {
-    std::vector<uint16_t> t(65536);
+    std::vector<uint16_t> t(65537, 0);  // + 1 entry: silu_mul reads 32 bits at an entry (the top 16 unused)
     for (uint32_t b = 0; b < 65536; ++b) t[b] = silu_bits(static_cast<uint16_t>(b));
     return t;
   }();
@@ -224,21 +235,29 @@ class Stack {
   static void add_rows(torch::Tensor& x, const torch::Tensor& a) {  // x = bf16(x + a), as torch's bf16 add
     uint16_t* xp = bits_mut(x);
     const uint16_t* ap = bits(a);
-    at::parallel_for(0, x.numel(), 8192, [&](int64_t s, int64_t e) {
-      for (int64_t k = s; k < e; ++k) xp[k] = bf16_round(widen(xp[k]) + widen(ap[k]));
+    at::parallel_for(0, x.numel() / 8, 1024, [&](int64_t s, int64_t e) {  // numel % 8 == 0 (H % 32 == 0)
+      for (int64_t k = 8 * s; k < 8 * e; k += 8)
+        store8x16(xp + k, bf16_round8(_mm256_add_ps(bf16x8(xp + k), bf16x8(ap + k))));
     });
   }
 
   static torch::Tensor silu_mul(const torch::Tensor& gu) {  // [M, 2 I] -> bf16(bf16(silu(g)) * u) [M, I]
-    const int64_t M = gu.size(0), I = gu.size(1) / 2;
+    const int64_t M = gu.size(0), I = gu.size(1) / 2, I8 = I / 8 * 8;
     torch::Tensor y = torch::empty({M, I}, gu.options());
     const uint16_t* gp = bits(gu);
     const uint16_t* silu = silu_table().data();
+    const int* table = reinterpret_cast<const int*>(silu);  // 32-bit reads: the entry and the next (one padding entry)
     uint16_t* yp = bits_mut(y);
-    at::parallel_for(0, M * I, 8192, [&](int64_t s, int64_t e) {
-      for (int64_t k = s; k < e; ++k) {
-        const int64_t r = k / I, c = k % I;
-        yp[k] = bf16_round(widen(silu[gp[r * 2 * I + c]]) * widen(gp[r * 2 * I + I + c]));
+    at::parallel_for(0, M, std::max<int64_t>(1, 8192 / I), [&](int64_t a, int64_t z) {
+      for (int64_t r = a; r < z; ++r) {
+        const uint16_t *g = gp + r * 2 * I, *u = g + I;
+        int64_t c = 0;
+        for (; c < I8; c += 8) {  // the entries as fp32 bits: each read's low 16 bits moved to the top
+          const __m256i idx = _mm256_cvtepu16_epi32(load8x16(g + c));
+          const __m256i sg = _mm256_slli_epi32(_mm256_i32gather_epi32(table, idx, 2), 16);
+          store8x16(yp + r * I + c, bf16_round8(_mm256_mul_ps(_mm256_castsi256_ps(sg), bf16x8(u + c))));
+        }
+        for (; c < I; ++c) yp[r * I + c] = bf16_round(widen(silu[g[c]]) * widen(u[c]));
       }
     });
     return y;
@@ -260,7 +279,7 @@ class Stack {
     const uint16_t one = bf16_round(1.0f);
     at::parallel_for(0, M, 4, [&](int64_t a, int64_t z) {
       std::vector<uint16_t> row(hd);
-      std::vector<float> tmp(hd);
+      std::vector<float> tmp(2 * hd);
       for (int64_t r = a; r < z; ++r) {
         const int64_t b = r / Q, slot = sl[r];
         const uint16_t* t = src + r * nqkv;

@@ -50,6 +50,24 @@ inline uint16_t bf16_round(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// 8 fp32 -> 8 bf16 bits, each exactly as `bf16_round` (the same integer rounding, lane by lane; NaN as there).
+inline __m128i bf16_round8(__m256 f) {
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i top = _mm256_srli_epi32(u, 16);
+  const __m256i up = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(top, _mm256_set1_epi32(1)));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, up), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));  // both sides < 2^31: signed compare
+  const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));  // each lane <= 0xffff
+}
+
+// 8 bf16 bits (an __m128i) -> 8 fp32 (exact).
+inline __m256 widen8(__m128i b) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)); }
+
+inline __m128i load8x16(const uint16_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline void store8x16(uint16_t* p, __m128i v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v); }
+
 // Store `count` (1 or 2) tokens' results of one weight tile, out[t][0 .. rows), at y[(i + t) * N + n0 ..].
 template <int NR>
 inline void store_tile(float* y, int64_t N, int64_t i, int64_t n0, int64_t rows, const float (*out)[NR], int count) {
@@ -62,7 +80,9 @@ inline torch::Tensor round_to_bf16(const torch::Tensor& yf) {
   const float* yp = yf.data_ptr<float>();
   uint16_t* bp = reinterpret_cast<uint16_t*>(yb.data_ptr());
   at::parallel_for(0, yf.numel(), 4096, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) bp[i] = bf16_round(yp[i]);
+    int64_t i = i0;
+    for (; i + 8 <= i1; i += 8) store8x16(bp + i, bf16_round8(_mm256_loadu_ps(yp + i)));
+    for (; i < i1; ++i) bp[i] = bf16_round(yp[i]);
   });
   return yb;
 }
