@@ -35,11 +35,14 @@ inline float widen(uint16_t b) {
   return f;
 }
 
-// 8 bf16 -> 8 fp32 (exact: a bf16 is the top half of an fp32).
-inline __m256 bf16x8(const void* p) {
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
+// 8 bf16 bits (an __m128i) -> 8 fp32 (exact: a bf16 is the top half of an fp32).
+inline __m256 widen8(__m128i b) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)); }
+
+// 8 bf16 in memory -> 8 fp32.
+inline __m256 bf16x8(const void* p) { return widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+inline __m128i load8x16(const uint16_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline void store8x16(uint16_t* p, __m128i v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v); }
 
 // fp32 -> bf16, round to nearest even, as torch's float -> bfloat16 (NaN stays a quiet NaN).
 inline uint16_t bf16_round(float f) {
@@ -61,12 +64,6 @@ inline __m128i bf16_round8(__m256 f) {
   const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));  // each lane <= 0xffff
 }
-
-// 8 bf16 bits (an __m128i) -> 8 fp32 (exact).
-inline __m256 widen8(__m128i b) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)); }
-
-inline __m128i load8x16(const uint16_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-inline void store8x16(uint16_t* p, __m128i v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v); }
 
 // Store `count` (1 or 2) tokens' results of one weight tile, out[t][0 .. rows), at y[(i + t) * N + n0 ..].
 template <int NR>
