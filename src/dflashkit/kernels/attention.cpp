@@ -7,7 +7,9 @@
 // same order). Per (batch row, query, head), all in fp32:
 //   score_s = dot(q, k_s) * scale  (8-lane accumulator over the head dim, fixed horizontal sum)
 //   m = max over the visible scores
-//   den = sum exp(score_s - m), num = sum exp(score_s - m) * v_s  (head keys ascending, then tail ascending)
+//   w_s = exp(score_s - m)  (`exp8`, elementwise)
+//   den = sum w_s  (`softmax_weights`' fixed order over the visible list), num = sum w_s * v_s  (per element, head
+//   keys ascending, then tail ascending)
 //   o = num / den, rounded to bf16
 // Hidden keys are skipped, not added as zeros: a verify block (more slots, more hidden) and a one-token step
 // visit exactly the same keys in the same order.
@@ -172,7 +174,31 @@ void unit_scores(const Call& x, const Unit& u, int64_t i0, int64_t i1, float* sc
   }
 }
 
-// One chain's softmax weights in place: exp(score - max), their sum (den) in slot order.
+// exp(x) for x <= 0, 8 lanes: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), e^r by a degree-7 polynomial
+// (Cephes' expf coefficients, within ~1 ulp of std::exp), times 2^n built in the exponent bits. Below -87 (e^x under
+// fp32's smallest normal, nothing beside a weight of 1) the lane is 0. NaN stays NaN. Elementwise and exact in its
+// operation order: a lane's bits depend on its x alone, whatever shares the vector.
+inline __m256 exp8(__m256 x) {
+  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // max(a, NaN) is the NaN: it goes on
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// One chain's softmax weights in place: exp(score - max) (`exp8`; the last n % 8 through a padded vector, the same
+// per-lane arithmetic) and their sum, den: an 8-lane sum over the full groups of 8 (lane j: slots j, j + 8, ...),
+// `hsum8`, then the last n % 8 in slot order. A fixed order for a given list, whatever else shares the call.
 float softmax_weights(float* score, int64_t n) {
   __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());  // the max, 8 lanes at a time (any order)
   int64_t i = 0;
@@ -182,10 +208,19 @@ float softmax_weights(float* score, int64_t n) {
   float m = lanes[0];
   for (int j = 1; j < 8; ++j) m = std::max(m, lanes[j]);
   for (; i < n; ++i) m = std::max(m, score[i]);
-  float den = 0.0f;
-  for (i = 0; i < n; ++i) {
-    score[i] = std::exp(score[i] - m);
-    den += score[i];
+  const __m256 mb = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(score + i), mb));
+    _mm256_storeu_ps(score + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float den = hsum8(sum);
+  if (i < n) {
+    float rest[8] = {};
+    std::memcpy(rest, score + i, (n - i) * sizeof(float));
+    _mm256_storeu_ps(rest, exp8(_mm256_sub_ps(_mm256_loadu_ps(rest), mb)));
+    for (int64_t j = 0; j < n - i; ++j) score[i + j] = rest[j], den += rest[j];
   }
   return den;
 }
