@@ -89,3 +89,51 @@ def test_a_querys_bits_do_not_depend_on_what_shares_the_call(S, hd):
             assert torch.equal(o.view(torch.int16), outs[0].view(torch.int16))
     finally:
         torch.set_num_threads(threads)
+
+
+def _tree_visible(B: int, ctx: int, n: int, g: torch.Generator):
+    """A random draft tree of n nodes after ctx committed tokens per batch row, as a verify step lays it out:
+    positions ctx + depth, slots ctx.. in node order, each node seeing the committed keys, its ancestors and itself."""
+    positions = torch.empty(B, n, dtype=torch.long)
+    visible = torch.zeros(B, 1, n, ctx + n, dtype=torch.bool)
+    visible[..., :ctx] = True
+    for b in range(B):
+        parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        for i in range(n):
+            j, depth = i, 0
+            while j >= 0:
+                visible[b, 0, i, ctx + j] = True
+                j, depth = parent[j], depth + (parent[j] >= 0)
+            positions[b, i] = ctx + depth
+    return positions, (ctx + torch.arange(n)).expand(B, n).contiguous(), visible
+
+
+@pytest.mark.parametrize("layout", ["block", "ragged rows", "tree", "shallow tail"])
+def test_key_lists_in_cpp_equal_the_torch_build(layout):
+    """backends/lean.py `_splits` builds each query's key lists from torch ops, or with our kernels in one C++ call
+    (keylists.cpp): both must give the same head part and tail, for verify blocks, batch rows at different lengths
+    (stale slots past a row's end), draft trees (a visible mask) and a tail shorter than the tree is deep."""
+    from conftest import make_target
+
+    t = make_target("llama", torch.bfloat16, backend="lean")
+    g = torch.Generator().manual_seed(7)
+    visible = None
+    if layout == "block":
+        positions = torch.arange(40, 46)[None]
+        slots, kv_len = positions, 46
+    elif layout == "ragged rows":
+        positions = torch.stack([torch.arange(50, 54), torch.arange(20, 24)])
+        slots, kv_len = positions, 54
+    else:
+        positions, slots, visible = _tree_visible(2, 30, 14, g)
+        kv_len = 44
+    if layout == "shallow tail":
+        t.tail_depth = 2
+    built = {}
+    for fused in (False, True):
+        t.fused_attention = fused
+        sp = t._splits(positions, slots, kv_len, visible, 64)["full_attention"]
+        built[fused] = (sp.head_vis, sp.tail_slot)
+    assert torch.equal(built[True][0], built[False][0])
+    assert torch.equal(built[True][1], built[False][1])
+    assert built[True][1].ge(0).any() and built[True][0].any()  # both parts hold keys

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ..cache import PositionCache
 from ..errors import DFlashError
 from ..kernel_plan import KernelPlan
-from ..kernels import RowLinear, attend
+from ..kernels import RowLinear, attend, key_lists
 from .hf import HFTarget, architecture_of
 
 log = logging.getLogger(__name__)
@@ -231,6 +231,7 @@ class LeanTarget(HFTarget):
             stack.add_layer(layer.ln_in.weight.detach().contiguous(), layer.ln_post_attn.weight.detach().contiguous(),
                             *norms, [stack_linear(w) for w in (layer.wqkv, layer.wo, layer.wgu, layer.wdown)],
                             layer.scaling)
+        stack.set_final_norm(self.norm.weight.detach().contiguous())  # forward's output comes normed (rms_row)
         self.stack = stack
 
     def use_rowlinear(self) -> None:
@@ -303,7 +304,7 @@ class LeanTarget(HFTarget):
             cos, sin = (c[positions] for c in self._rope["full_attention"])  # [B, Q, hd]
             x, feats = self.stack.forward(x, cos, sin, cache.keys, cache.values, slots, sp.head_vis, sp.tail_slot,
                                           list(self.tap_ids) if taps else [])
-            return self.norm(x), (feats if taps and self.tap_ids else None)
+            return x, (feats if taps and self.tap_ids else None)  # normed in the stack (layers.cpp `set_final_norm`)
         tapped = {}
         want = set(self.tap_ids) if taps else set()
         rope = {t: tuple(c[positions][:, :, None] for c in cs) for t, cs in self._rope.items()}  # [B, Q, 1, hd]
@@ -325,13 +326,17 @@ class LeanTarget(HFTarget):
         """Where each query's keys are read from, per layer type (see `_Split`)."""
         B, Q = positions.shape
         dev = positions.device
+        types = {layer.attn_type for layer in self._layers}
+        if self.fused_attention and types == {"full_attention"}:  # one C++ call, the same lists (kernels/keylists.cpp)
+            head, tail = key_lists(positions, slots, kv_len, visible, self.tail_depth, self.tail_depth + 1)
+            return {"full_attention": _Split(head, tail, self.dtype, self.num_kv_heads, max_len)}
         slot_pos = torch.arange(kv_len, device=dev).expand(B, kv_len).clone()
         slot_pos.scatter_(1, slots, positions)  # the position of the token each slot holds
         vis = (slot_pos[:, None, :] <= positions[:, :, None]) if visible is None else visible[:, 0]  # [B, Q, S]
         split = (positions - self.tail_depth).clamp(min=0)  # [B, Q]
         rel = slot_pos[:, None, :] - split[:, :, None]  # [B, Q, S] offset of a key's position in the query's tail
         out = {}
-        for t in {layer.attn_type for layer in self._layers}:
+        for t in types:
             v = vis
             if t == "sliding_attention":  # the window counts positions, not slots
                 v = vis & (slot_pos[:, None, :] > positions[:, :, None] - self.sliding_window)

@@ -2,9 +2,9 @@
 computed (fp32 products, or for 4/8-bit weights optionally 8-bit activations and integer dot products), and
 `attend`, the lean target's attention in one row-invariant call per layer.
 
-The C++ sources (module.cpp, rowlinear.cpp, qlinear.cpp, plinear.cpp, attention.cpp; simd.h holds the helpers the
-kernels share) are compiled once per torch version with torch's extension builder (g++ and the `ninja` package) into
-~/.cache/dflashkit/kernels and loaded from there afterwards.
+The C++ sources (module.cpp, rowlinear.cpp, qlinear.cpp, plinear.cpp, attention.cpp, layers.cpp, keylists.cpp;
+simd.h holds the helpers the kernels share) are compiled once per torch version with torch's extension builder (g++
+and the `ninja` package) into ~/.cache/dflashkit/kernels and loaded from there afterwards.
 Where they cannot be built (no compiler, no AVX2/FMA, not x86-64), `available()` says why and callers keep torch's
 kernels.
 """
@@ -27,7 +27,7 @@ from ..measurements import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(n) for n in ("module.cpp", "rowlinear.cpp", "qlinear.cpp", "plinear.cpp",
-                                                  "attention.cpp", "layers.cpp")]
+                                                  "attention.cpp", "layers.cpp", "keylists.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "ops.h")]
 KINDS = {"bf16": 0, "q4_1": 1, "q8_0": 2}
 PATHS = {"rowlinear": 0, "qlinear": 1, "plinear": 2}  # which kernel a stacked linear calls (layers.cpp `Linear`)
@@ -329,6 +329,16 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, head: torc
     if mod is None:
         raise RuntimeError(f"dflashkit kernels unavailable: {why_unavailable()}")
     return mod.attend(q, keys, values, head, tail, scale)
+
+
+def key_lists(positions: torch.Tensor, slots: torch.Tensor, kv_len: int, visible: torch.Tensor | None,
+              tail_depth: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions / slots [B, Q] int64, visible [B, 1, Q, kv_len] bool or None -> (head [B, Q, kv_len] bool, tail
+    [B, Q, L] slots, -1: none): each query's key lists for `attend` (keylists.cpp; backends/lean.py `_Split`)."""
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"dflashkit kernels unavailable: {why_unavailable()}")
+    return mod.key_lists(positions, slots, kv_len, visible, tail_depth, L)
 
 
 def use_rowlinear_in(module: torch.nn.Module) -> int:
