@@ -536,3 +536,29 @@ def test_one_kernel_plan_is_chosen_applied_and_keys_the_measurements(tmp_path):
     assert kernel_plan.choose(hf, None) == kernel_plan.TORCH and engine_identity(hf) == "HFTarget:torch"
     with pytest.raises(DFlashError, match="not a GGUF target"):
         kernel_plan.choose(make_target("llama", torch.bfloat16, backend="lean"), None, quant="int4")
+
+
+@pytest.mark.parametrize("V", [1, 16, 49152 + 5])
+def test_argmax_over_bf16_logits_is_torchs(V):
+    """kernels.argmax (argmax.cpp) scans bf16 logits as their bits: it must return torch's index on every row, the
+    first maximum where values tie (here: few distinct values, -0 beside +0), a row's first NaN, -inf rows."""
+    from dflashkit.kernels import argmax, load
+
+    load()  # argmax uses the kernels only once this process runs them
+    g = torch.Generator().manual_seed(V)
+    x = (torch.randn(3, 5, V, generator=g) * 4).round().bfloat16()  # ties everywhere
+    x[0, 0] = -0.0
+    x[0, 1] = 0.0
+    x[0, 1, V // 2:] = -0.0  # +0 and -0 compare equal: the first wins
+    x[0, 2] = -1.0
+    x[0, 2, -1] = 0.0
+    x[0, 2, V // 2] = -0.0  # ... also where -0 comes first
+    x[1, 0] = float("-inf")
+    x[1, 1, V // 3] = float("nan")
+    x[1, 1, -1] = float("nan")
+    x[1, 2, -1] = float("inf")
+    x[2, 0] = -torch.rand(V, generator=g).bfloat16() - 1  # all negative
+    got = argmax(x)
+    assert got.dtype == torch.long and got.shape == (3, 5)
+    assert torch.equal(got, x.float().argmax(-1))
+    assert torch.equal(argmax(x[:, 1:3].transpose(0, 1)), x[:, 1:3].transpose(0, 1).float().argmax(-1))  # strided

@@ -2,9 +2,9 @@
 computed (fp32 products, or for 4/8-bit weights optionally 8-bit activations and integer dot products), and
 `attend`, the lean target's attention in one row-invariant call per layer.
 
-The C++ sources (module.cpp, rowlinear.cpp, qlinear.cpp, plinear.cpp, attention.cpp, layers.cpp, keylists.cpp;
-simd.h holds the helpers the kernels share) are compiled once per torch version with torch's extension builder (g++
-and the `ninja` package) into ~/.cache/dflashkit/kernels and loaded from there afterwards.
+The C++ sources (module.cpp, rowlinear.cpp, qlinear.cpp, plinear.cpp, attention.cpp, layers.cpp, keylists.cpp,
+argmax.cpp; simd.h holds the helpers the kernels share) are compiled once per torch version with torch's extension
+builder (g++ and the `ninja` package) into ~/.cache/dflashkit/kernels and loaded from there afterwards.
 Where they cannot be built (no compiler, no AVX2/FMA, not x86-64), `available()` says why and callers keep torch's
 kernels.
 """
@@ -27,7 +27,7 @@ from ..measurements import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(n) for n in ("module.cpp", "rowlinear.cpp", "qlinear.cpp", "plinear.cpp",
-                                                  "attention.cpp", "layers.cpp", "keylists.cpp")]
+                                                  "attention.cpp", "layers.cpp", "keylists.cpp", "argmax.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "ops.h")]
 KINDS = {"bf16": 0, "q4_1": 1, "q8_0": 2}
 PATHS = {"rowlinear": 0, "qlinear": 1, "plinear": 2}  # which kernel a stacked linear calls (layers.cpp `Linear`)
@@ -141,6 +141,17 @@ def source_id() -> str:
 
 def available() -> bool:
     return load() is not None
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> [...] int64: torch.argmax(logits, -1), for bf16 CPU logits without an fp32 copy where this
+    process already runs our kernels (argmax.cpp: the same index, first maximum, NaN first); otherwise torch's
+    argmax over the fp32 widening (exact for bf16/fp16: the same order, the same first maximum; torch's CPU argmax
+    over bf16 itself is ~5x slower). Never builds the kernels."""
+    mod = _state.get("mod")
+    if mod is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.shape[-1]:
+        return mod.argmax_bf16(logits)
+    return logits.float().argmax(-1)
 
 
 def why_unavailable() -> str:

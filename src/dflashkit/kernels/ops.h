@@ -21,6 +21,8 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
 // each query's key lists for `attend`: its head part's slots and its tail's, from positions and slots (keylists.cpp)
 std::tuple<torch::Tensor, torch::Tensor> key_lists(torch::Tensor positions, torch::Tensor slots, int64_t kv_len,
                                                    c10::optional<torch::Tensor> visible, int64_t tail_depth, int64_t L);
+// the first index of each row's maximum over bf16 logits, as torch.argmax (argmax.cpp)
+torch::Tensor argmax_bf16(torch::Tensor logits);
 std::string rowlinear_isa();
 std::string rowlinear_set_isa(const std::string& isa);
 bool dflashkit_avx2_forced();  // rowlinear_set_isa("avx2") also keeps qlinear on its AVX2 tile (same bits there)
