@@ -271,6 +271,9 @@ def layer_stack(drafter: DFlashDrafter, q8: bool | None = None):
                         a.q_norm.weight.detach().contiguous(), a.k_norm.weight.detach().contiguous(),
                         [fused(a.q_proj, a.k_proj, a.v_proj), fused(a.o_proj), fused(m.gate_proj, m.up_proj),
                          fused(m.down_proj), fused(a.k_proj, a.v_proj)], 1.0 / math.sqrt(c.head_dim))
+    # The final norm in the same call (rms_row: `RMSNorm`'s rounding, its own summation order): its torch ops cost
+    # ~20 us each right after a target step has streamed the weights through the caches.
+    stack.set_final_norm(drafter.norm.weight.detach().contiguous())
     return stack
 
 

@@ -168,6 +168,7 @@ class DrafterProposer:
         # The drafter's layers in one C++ call (`drafter.layer_stack`), where the engine built it for a stacked
         # target; its draft cache then holds value rows of hd + 1 (the stack's layout) and B more slots.
         self.stack = getattr(drafter, "stack", None) if plan_of(target).stack else None
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # `_rope`'s cos, sin [positions, hd]
 
     # ---- per-batch state ------------------------------------------------------------------------------------
     def prefill(self, feats: torch.Tensor, pos: torch.Tensor, last: torch.Tensor, max_len: int) -> DraftState:
@@ -207,10 +208,9 @@ class DrafterProposer:
     def _write(self, cache: PositionCache, feats: torch.Tensor, pos: torch.Tensor) -> None:
         dr = self.drafter
         if self.stack is not None:  # every layer's K/V in one C++ call, at slot == position
-            c = dr.config
             x = dr.fuse(feats)
-            cos, sin = rope_cos_sin(pos, c.head_dim, c.rope_theta, x.dtype)  # [b, 1, R, hd]
-            self.stack.context(x, cos[:, 0], sin[:, 0], cache.keys, cache.values, pos.contiguous())
+            cos, sin = self._rope(pos)  # [b, R, hd]
+            self.stack.context(x, cos, sin, cache.keys, cache.values, pos.contiguous())
             return
         for layer, (k, v) in enumerate(dr.context_kv(dr.fuse(feats), pos)):
             cache.write(layer, k, v, pos)
@@ -297,14 +297,27 @@ class DrafterProposer:
         context has not reached yet (the context ends at start - 1), each rewritten with a committed token's feature
         before any query can see it. Each query sees every slot before its row's start + B: the context before the
         anchor and the whole block (bidirectional), as the per-op forward's mask."""
-        c, dev = self.drafter.config, x.device
+        dev = x.device
         b, Q = blk_pos.shape
         S = view.ctx_len + Q
         head = (torch.arange(S, device=dev)[None, None] < (view.start[:, None, None] + Q)).expand(b, Q, S)
-        cos, sin = rope_cos_sin(blk_pos, c.head_dim, c.rope_theta, x.dtype)  # [b, 1, Q, hd]
-        out, _ = self.stack.forward(x, cos[:, 0], sin[:, 0], cache.keys, cache.values, blk_pos, head.contiguous(),
+        cos, sin = self._rope(blk_pos)
+        out, _ = self.stack.forward(x, cos, sin, cache.keys, cache.values, blk_pos, head.contiguous(),
                                     torch.empty((b, Q, 0), dtype=torch.long, device=dev), [])
-        return self.drafter.norm(out)
+        return out  # final-normed in the stack (`drafter.layer_stack`)
+
+    def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos [b, R] -> the drafter's rotary cos, sin [b, R, hd], read from a table of `rope_cos_sin` rows (each
+        position's row is elementwise the same whatever else is computed beside it): two gathers a step instead
+        of the ~10 small ops that compute them, each slow right after a target step."""
+        need = int(pos.max()) + 1
+        have = 0 if self._rope_table is None else self._rope_table[0].shape[0]
+        if have < need:
+            c, n = self.drafter.config, max(need, 2 * have)
+            cos, sin = rope_cos_sin(torch.arange(n, device=pos.device)[None], c.head_dim, c.rope_theta,
+                                    self.target.dtype)
+            self._rope_table = (cos[0, 0], sin[0, 0])  # [n, hd]
+        return self._rope_table[0][pos], self._rope_table[1][pos]
 
 
 class LookupProposer:
