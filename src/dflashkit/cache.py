@@ -111,7 +111,8 @@ class PositionCache:
         rows = self._rows[:, None]
         # Advanced indices (rows, positions) around a slice put the indexed dims first: [B, T, kvh, hd].
         self.keys[layer_idx][rows, :, positions] = k.transpose(1, 2)
-        self.values[layer_idx][rows, :, positions] = v.transpose(1, 2)
+        if v.shape[-1]:  # a store without values (value_dim 0, the drafter's feature store) skips an empty write
+            self.values[layer_idx][rows, :, positions] = v.transpose(1, 2)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """src, dst: [B, T] slots. Copies every layer's K/V from slots src to slots dst (all reads happen before
