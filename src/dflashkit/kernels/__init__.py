@@ -125,10 +125,7 @@ def set_isa(name: str) -> str:
     """"avx2": rowlinear's bf16 path runs its 8-lane AVX2 code on any CPU (tests of that path on AVX512 hosts, A/B
     benchmarks); "avx512bf16": an AMX CPU stays on its AVX-512 dot products; "auto": the best this CPU has.
     Process-wide; set it before loading targets (it changes bits)."""
-    mod = load()
-    if mod is None:
-        raise RuntimeError(f"dflashkit kernels unavailable: {why_unavailable()}")
-    return mod.rowlinear_set_isa(name)
+    return _loaded().rowlinear_set_isa(name)
 
 
 def source_id() -> str:
@@ -137,6 +134,14 @@ def source_id() -> str:
     if "source_id" not in _state:
         _state["source_id"] = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS)).hexdigest()[:12]
     return _state["source_id"]
+
+
+def _loaded():
+    """The compiled module, built if need be; an error saying why where it cannot be (for calls with no fallback)."""
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"dflashkit kernels unavailable: {why_unavailable()}")
+    return mod
 
 
 def available() -> bool:
@@ -336,20 +341,14 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, head: torc
            scale: float) -> torch.Tensor:
     """q [B, Q, nh, hd] bf16; keys / values: a cache layer [B, kvh, T, hd (+1)]; head [B, Q, S] bool; tail [B, Q, L]
     slots (-1: none) -> o [B, Q, nh * hd] bf16 (attention.cpp)."""
-    mod = load()
-    if mod is None:
-        raise RuntimeError(f"dflashkit kernels unavailable: {why_unavailable()}")
-    return mod.attend(q, keys, values, head, tail, scale)
+    return _loaded().attend(q, keys, values, head, tail, scale)
 
 
 def key_lists(positions: torch.Tensor, slots: torch.Tensor, kv_len: int, visible: torch.Tensor | None,
               tail_depth: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
     """positions / slots [B, Q] int64, visible [B, 1, Q, kv_len] bool or None -> (head [B, Q, kv_len] bool, tail
     [B, Q, L] slots, -1: none): each query's key lists for `attend` (keylists.cpp; backends/lean.py `_Split`)."""
-    mod = load()
-    if mod is None:
-        raise RuntimeError(f"dflashkit kernels unavailable: {why_unavailable()}")
-    return mod.key_lists(positions, slots, kv_len, visible, tail_depth, L)
+    return _loaded().key_lists(positions, slots, kv_len, visible, tail_depth, L)
 
 
 def use_rowlinear_in(module: torch.nn.Module) -> int:
