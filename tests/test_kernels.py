@@ -562,3 +562,57 @@ def test_argmax_over_bf16_logits_is_torchs(V):
     assert got.dtype == torch.long and got.shape == (3, 5)
     assert torch.equal(got, x.float().argmax(-1))
     assert torch.equal(argmax(x[:, 1:3].transpose(0, 1)), x[:, 1:3].transpose(0, 1).float().argmax(-1))  # strided
+
+
+@pytest.mark.parametrize("V", [5, 4096, 4096 + 3])
+def test_draft_topk_is_log_softmax_topk_in_a_stable_order(V):
+    """kernels.draft_topk (drafttree.cpp): each row's k best ids under log_softmax, best first and ties to the lower
+    id (a stable descending sort's order: bf16 logits tie often), and their log-probabilities as torch's."""
+    from dflashkit.kernels import draft_topk, load
+
+    load()  # draft_topk uses the kernels only once this process runs them
+    g = torch.Generator().manual_seed(V)
+    x = (torch.randn(2, 7, V, generator=g) * 3).bfloat16()
+    x[1, 0] = (torch.randn(V, generator=g) * 2).round().bfloat16()  # few distinct values: ties among the best
+    x[1, 1] = -30.0
+    x[1, 1, -1] = 1.0  # one clear best, the rest tied
+    for k in sorted({1, min(3, V), min(16, V)}):
+        for logits in (x, x.transpose(0, 1)):  # and strided input
+            lp, ids = draft_topk(logits, k)
+            assert lp.dtype == torch.float32 and ids.dtype == torch.long and ids.shape == logits.shape[:-1] + (k,)
+            val, order = logits.float().log_softmax(-1).sort(dim=-1, descending=True, stable=True)
+            assert torch.equal(ids, order[..., :k])
+            torch.testing.assert_close(lp, val[..., :k], rtol=0, atol=1e-5)
+    assert draft_topk(x.float(), 2) is None  # not bf16: the caller keeps torch's
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_beam_tree_in_cpp_builds_topk_trees_tree(seed, monkeypatch):
+    """kernels.beam_tree (drafttree.cpp) runs tree.py `topk_tree`'s rule in one call: with distinct scores it must
+    give the torch version's nodes exactly (tokens, parents, depths, padding, scores), pruned or not; with tied
+    scores (log-probs on a coarse grid) the same number of nodes and the same scores, the tree prefix-closed."""
+    from dflashkit import kernels, tree
+
+    kernels.load()
+    g = torch.Generator().manual_seed(seed)
+    for b, D, K, n, p in [(1, 3, 16, 20, 0.0), (3, 15, 16, 20, 0.03), (2, 1, 4, 3, 0.0), (4, 4, 5, 30, 0.05),
+                          (2, 6, 16, 64, 0.0), (2, 3, 4, 5, 0.9)]:
+        logp, idx = torch.randn(b, D, 64, generator=g).mul(2).log_softmax(-1).topk(K, dim=-1)
+        for coarse in (False, True):
+            lp = (logp * 4).round() / 4 if coarse else logp
+            assert kernels.beam_tree(idx + 7, lp, n, p) is not None
+            fast = tree.topk_tree(idx + 7, lp, n, p)
+            with monkeypatch.context() as m:
+                m.setattr(kernels, "beam_tree", lambda *a: None)
+                ref = tree.topk_tree(idx + 7, lp, n, p)
+            assert fast.max_depth == ref.max_depth and (fast.alive is None) == (ref.alive is None)
+            assert torch.equal(fast.logp.sort(1).values, ref.logp.sort(1).values)
+            if not coarse:
+                for name in ("tokens", "parent", "depth", "alive", "logp"):
+                    assert (getattr(fast, name) is None) or torch.equal(getattr(fast, name), getattr(ref, name)), name
+            for r in range(b):
+                live = fast.alive[r] if fast.alive is not None else torch.ones_like(fast.parent[r], dtype=torch.bool)
+                for i in range(fast.parent.shape[1]):
+                    par = int(fast.parent[r, i])
+                    assert par < i + 1 and (par == 0 or fast.depth[r, par - 1] == fast.depth[r, i] - 1)
+                    assert not live[i] or par == 0 or live[par - 1]  # a kept node's parent is kept

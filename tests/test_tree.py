@@ -222,8 +222,20 @@ def node_paths(nodes, r, count):
     return paths
 
 
+def tree_impl(impl: str, monkeypatch) -> None:
+    """topk_tree's beam as torch ops ("torch") or in one C++ call ("cpp", kernels/drafttree.cpp): both are tested."""
+    from dflashkit import kernels
+
+    if impl == "torch":
+        monkeypatch.setattr(kernels, "beam_tree", lambda *a: None)
+    elif not kernels.available():
+        pytest.skip(f"kernels unavailable: {kernels.why_unavailable()}")
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpp"])
 @pytest.mark.parametrize("seed", range(5))
-def test_topk_tree_is_the_n_most_likely_paths(seed):
+def test_topk_tree_is_the_n_most_likely_paths(seed, impl, monkeypatch):
+    tree_impl(impl, monkeypatch)
     g = torch.Generator().manual_seed(seed)
     b, D, K = 3, 4, 5
     logp, idx = torch.randn(b, D, 40, generator=g).mul(2).log_softmax(-1).topk(K, dim=-1)
@@ -240,8 +252,10 @@ def test_topk_tree_is_the_n_most_likely_paths(seed):
             assert all(len(v) == len(set(v)) for v in kids.values())  # siblings are distinct
 
 
+@pytest.mark.parametrize("impl", ["torch", "cpp"])
 @pytest.mark.parametrize("seed", range(3))
-def test_a_pruned_tree_keeps_the_likely_paths_and_pads_the_rest(seed):
+def test_a_pruned_tree_keeps_the_likely_paths_and_pads_the_rest(seed, impl, monkeypatch):
+    tree_impl(impl, monkeypatch)
     g = torch.Generator().manual_seed(seed)
     b, D, K, n, p_min = 4, 4, 5, 5, 0.05
     logp, idx = torch.randn(b, D, 40, generator=g).mul(3).log_softmax(-1).topk(K, dim=-1)

@@ -37,6 +37,8 @@ from typing import Callable
 
 import torch
 
+from . import kernels
+
 
 SOURCE_ANCHOR, SOURCE_DRAFTER, SOURCE_LOOKUP = 0, 1, 2  # `DraftTree.source`: what the stats count per source
 
@@ -97,6 +99,10 @@ def topk_tree(tokens: torch.Tensor, logp: torch.Tensor, n: int, min_prob: float 
     [b, K_beam, K] for each beam path ending in beam [b, K_beam] (j = 0: beam None, the anchor: [b, 1, K]); `logp`
     is then unused. Children are still scored at most their parent, so the tree stays prefix-closed."""
     b, D, K = tokens.shape
+    fast = kernels.beam_tree(tokens, logp, n, min_prob) if conditional is None else None
+    if fast is not None:  # the same rule in one C++ call (kernels/drafttree.cpp)
+        tok, parent, depth, alive, score = fast
+        return DraftNodes(tok, parent, depth, min(tok.shape[1], D), alive if min_prob > 0 else None, score)
     dev = tokens.device
     logp = logp.double()  # sums of many log-probs: keep the depth tie-break below exact
     score = logp[:, 0] if conditional is None else conditional(0, None)[:, 0].double()

@@ -3,7 +3,7 @@ computed (fp32 products, or for 4/8-bit weights optionally 8-bit activations and
 `attend`, the lean target's attention in one row-invariant call per layer.
 
 The C++ sources (module.cpp, rowlinear.cpp, qlinear.cpp, plinear.cpp, attention.cpp, layers.cpp, keylists.cpp,
-argmax.cpp; simd.h holds the helpers the kernels share) are compiled once per torch version with torch's extension
+argmax.cpp, drafttree.cpp; simd.h holds the helpers the kernels share) are compiled once per torch version with torch's extension
 builder (g++ and the `ninja` package) into ~/.cache/dflashkit/kernels and loaded from there afterwards.
 Where they cannot be built (no compiler, no AVX2/FMA, not x86-64), `available()` says why and callers keep torch's
 kernels.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import platform
 import sys
@@ -27,7 +28,8 @@ from ..measurements import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(n) for n in ("module.cpp", "rowlinear.cpp", "qlinear.cpp", "plinear.cpp",
-                                                  "attention.cpp", "layers.cpp", "keylists.cpp", "argmax.cpp")]
+                                                  "attention.cpp", "layers.cpp", "keylists.cpp", "argmax.cpp",
+                                                  "drafttree.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "ops.h")]
 KINDS = {"bf16": 0, "q4_1": 1, "q8_0": 2}
 PATHS = {"rowlinear": 0, "qlinear": 1, "plinear": 2}  # which kernel a stacked linear calls (layers.cpp `Linear`)
@@ -157,6 +159,26 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if mod is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.shape[-1]:
         return mod.argmax_bf16(logits)
     return logits.float().argmax(-1)
+
+
+def draft_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """logits [..., V] bf16 -> (log-probabilities [..., k] float32, ids [..., k]): each row's k best under
+    log_softmax, best first, ties to the lower id (drafttree.cpp). None where this process does not already run our
+    kernels or the logits are not bf16 on the CPU: the caller keeps torch's log_softmax + topk. Never builds."""
+    mod = _state.get("mod")
+    if mod is None or logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or not 1 <= k <= logits.shape[-1]:
+        return None
+    return mod.draft_topk(logits, k)
+
+
+def beam_tree(tokens: torch.Tensor, logp: torch.Tensor, n: int, min_prob: float) -> tuple | None:
+    """tree.py `topk_tree`'s beam for unconditioned slots in one call (drafttree.cpp): tokens [b, D, K] int64, logp
+    [b, D, K] float32 -> (tokens, parent, depth, alive, score), each [b, n']. None where this process does not
+    already run our kernels or the inputs are not on the CPU (the caller keeps the torch version). Never builds."""
+    mod = _state.get("mod")
+    if mod is None or tokens.device.type != "cpu" or logp.dtype != torch.float32 or n < 1:
+        return None
+    return mod.beam_tree(tokens, logp, n, math.log(min_prob) if min_prob > 0 else -math.inf)
 
 
 def why_unavailable() -> str:

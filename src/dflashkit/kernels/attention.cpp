@@ -28,6 +28,7 @@
 
 using dflashkit::bf16_round;
 using dflashkit::bf16x8;
+using dflashkit::exp8;
 using dflashkit::hsum8;
 
 // The slots one query sees, in the order they are summed: its head part's set slots ascending, then its tail's
@@ -172,28 +173,6 @@ void unit_scores(const Call& x, const Unit& u, int64_t i0, int64_t i1, float* sc
     const auto row = [&](int64_t i) { return kb + sl[i] * (HD > 0 ? HD : hd); };
     score_rows<HD>(x.q + x.row(u, c) * hd, hd, row, std::max(i0, u.common), e, x.sc, score + c * stride);
   }
-}
-
-// exp(x) for x <= 0, 8 lanes: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), e^r by a degree-7 polynomial
-// (Cephes' expf coefficients, within ~1 ulp of std::exp), times 2^n built in the exponent bits. Below -87 (e^x under
-// fp32's smallest normal, nothing beside a weight of 1) the lane is 0. NaN stays NaN. Elementwise and exact in its
-// operation order: a lane's bits depend on its x alone, whatever shares the vector.
-inline __m256 exp8(__m256 x) {
-  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // max(a, NaN) is the NaN: it goes on
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 // One chain's softmax weights in place: exp(score - max) (`exp8`; the last n % 8 through a padded vector, the same

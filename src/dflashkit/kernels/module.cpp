@@ -16,6 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("attend", &attend, nogil, "the lean target's attention, row-invariant (attention.cpp)");
   mod.def("key_lists", &key_lists, "each query's head-part slots and tail slots for attend (keylists.cpp)");
   mod.def("argmax_bf16", &argmax_bf16, nogil, "each row's argmax over bf16 logits, as torch.argmax (argmax.cpp)");
+  mod.def("draft_topk", &draft_topk, nogil, "each row's k best ids and log-probabilities (drafttree.cpp)");
+  mod.def("beam_tree", &beam_tree, nogil, "the n likeliest paths through a drafter's top-k per slot (drafttree.cpp)");
   mod.def("rowlinear_isa", &rowlinear_isa, "which instruction set rowlinear's bf16 path runs on this CPU");
   mod.def("rowlinear_set_isa", &rowlinear_set_isa, "'avx2': rowlinear's 8-lane path; 'avx512bf16': no AMX; 'auto': the best");
   register_stack(mod);  // Stack: a Llama-style target's decoder layers in one call (layers.cpp)

@@ -23,6 +23,10 @@ std::tuple<torch::Tensor, torch::Tensor> key_lists(torch::Tensor positions, torc
                                                    c10::optional<torch::Tensor> visible, int64_t tail_depth, int64_t L);
 // the first index of each row's maximum over bf16 logits, as torch.argmax (argmax.cpp)
 torch::Tensor argmax_bf16(torch::Tensor logits);
+// each row's k best ids under log_softmax and their log-probabilities; the beam of a drafter's tree (drafttree.cpp)
+std::tuple<torch::Tensor, torch::Tensor> draft_topk(torch::Tensor logits, int64_t k);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> beam_tree(
+    torch::Tensor tokens, torch::Tensor logp, int64_t n, double log_min_prob);
 std::string rowlinear_isa();
 std::string rowlinear_set_isa(const std::string& isa);
 bool dflashkit_avx2_forced();  // rowlinear_set_isa("avx2") also keeps qlinear on its AVX2 tile (same bits there)

@@ -1,6 +1,6 @@
-// Small AVX2 helpers shared by rowlinear.cpp, qlinear.cpp and attention.cpp. The kernels must convert and sum
-// exactly alike: a bf16 value widens to the same fp32, an fp32 rounds to the same bf16 as torch's, and an 8-lane
-// accumulator reduces in one fixed order (a different reduction order would change the last bits of a logit).
+// Small AVX2 helpers shared by the kernels (rowlinear.cpp, qlinear.cpp, attention.cpp, drafttree.cpp). They must
+// convert and sum exactly alike: a bf16 value widens to the same fp32, an fp32 rounds to the same bf16 as torch's,
+// and an 8-lane accumulator reduces in one fixed order (a different reduction order would change a logit's last bits).
 #pragma once
 
 #include <torch/extension.h>
@@ -82,6 +82,28 @@ inline torch::Tensor round_to_bf16(const torch::Tensor& yf) {
     for (; i < i1; ++i) bp[i] = bf16_round(yp[i]);
   });
   return yb;
+}
+
+// exp(x) for x <= 0, 8 lanes: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), e^r by a degree-7 polynomial
+// (Cephes' expf coefficients, within ~1 ulp of std::exp), times 2^n built in the exponent bits. Below -87 (e^x under
+// fp32's smallest normal, nothing beside a weight of 1) the lane is 0. NaN stays NaN. Elementwise and exact in its
+// operation order: a lane's bits depend on its x alone, whatever shares the vector.
+inline __m256 exp8(__m256 x) {
+  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // max(a, NaN) is the NaN: it goes on
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 }  // namespace dflashkit
