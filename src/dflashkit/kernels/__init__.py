@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..measurements import cache_dir
+from . import hugepages
 
 log = logging.getLogger(__name__)
 
@@ -298,8 +299,8 @@ class RowLinear:
         chunks holding four consecutive elements of the 16 rows (the layout is stated in qlinear.cpp); scales
         fp32 [groups, blocks, 16]; q4_1 mins fp32 / q8_0 int32 corrections (128 x the block's code sum) alike.
         Rows past N (up to a multiple of 16) are zeros. Computed once, then kept."""
-        if self._packed is None:
-            self._packed = _pack(self)
+        if self._packed is None:  # on huge pages: the kernels stream these every step (hugepages.py)
+            self._packed = tuple(hugepages.place(t) for t in _pack(self))
         return self._packed
 
     def dequantize(self) -> torch.Tensor:

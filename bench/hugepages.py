@@ -1,0 +1,121 @@
+"""Steps with the kernels' weights on 4 KiB pages vs transparent huge pages (kernels/hugepages.py), A/B in one
+process.
+
+    .venv/bin/python bench/hugepages.py --out bench/results/hugepages-amd [--aa]
+
+Two engines (the default target and the bundled drafter) are loaded, the first with `hugepages` off, the second on;
+then in each round every step runs once on each, the engines' order alternating round by round: one-token and
+small-verify target steps (1 row, after a 176-token prompt) and the drafter's drafting steps at blocks 2, 4 and 16.
+Every step follows a step of the other engine, so its weights come from memory as in decoding. --aa loads both on
+huge pages (the A/A control: ratios within its spread are noise). Writes hugepages.json, .md and .png into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from dflashkit import DFlashEngine
+from dflashkit.kernels import hugepages
+from dflashkit.loader import load_models
+from dflashkit.measurements import cpu_name
+
+from draft_block import step_ms, target_step  # noqa: E402  (bench/ is not a package)
+
+WIDTHS = [1, 2, 4, 8, 16]
+BLOCKS = [2, 4, 16]
+
+
+def verify_step(target, ctx: int, w: int):
+    """A w-token target step (forward + LM head over every new token) after a ctx-token prompt."""
+    if w == 1:
+        return target_step(target, ctx)
+    cache = target.new_cache(1, ctx + w + 1)
+    ids = torch.randint(4, target.vocab_size, (1, ctx + w), generator=torch.Generator().manual_seed(0))
+    target.forward(ids[:, :ctx], torch.arange(ctx)[None], cache, kv_len=ctx, taps=False)
+    pos = torch.arange(ctx, ctx + w)[None]
+    return lambda: target.logits(target.forward(ids[:, ctx:], pos, cache, kv_len=ctx + w, taps=False)[0])
+
+
+def arm_steps(on: bool, ctx: int) -> tuple[dict, str]:
+    """One engine's steps, loaded with `hugepages` on or off, each run once (weights packed lazily are packed now,
+    under this arm's setting); and the target's engine name."""
+    hugepages._state.clear()
+    hugepages._state["on"] = on
+    target, tok, drafter, _ = load_models(dtype="bfloat16")
+    eng = DFlashEngine(target, drafter, tokenizer=tok)
+    fns = {f"target_w{w}": verify_step(target, ctx, w) for w in WIDTHS}
+    fns.update({f"draft_b{b}": step_ms(eng, b, 1, ctx) for b in BLOCKS})
+    for fn in fns.values():
+        fn()
+    return fns, target.engine_name
+
+
+def main() -> int:
+    from dflashkit.bench.report import write_result
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=150)
+    ap.add_argument("--context", type=int, default=176)
+    ap.add_argument("--aa", action="store_true", help="both engines on huge pages (the A/A control)")
+    args = ap.parse_args()
+    if not hugepages.enabled():
+        raise SystemExit("transparent huge pages are off here (or DFLASHKIT_HUGE_PAGES=0): nothing to compare")
+    with torch.inference_mode():
+        fns = {}
+        for arm, on in (("4k", args.aa), ("huge", True)):
+            steps, engine = arm_steps(on, args.context)
+            fns.update({(arm, k): fn for k, fn in steps.items()})
+        keys = list(steps)
+        runs: dict = {k: [] for k in fns}
+        for i in range(args.rounds + 10):
+            for key in keys:
+                for arm in (("4k", "huge") if i % 2 else ("huge", "4k")):
+                    t0 = time.perf_counter()
+                    fns[arm, key]()
+                    if i >= 10:  # warm-up rounds
+                        runs[arm, key].append((time.perf_counter() - t0) * 1e3)
+    res = {"ms": {key: {arm: round(statistics.median(runs[arm, key]), 3) for arm in ("4k", "huge")} for key in keys},
+           "meta": {"command": "bench/hugepages.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
+                    "cpu": cpu_name(), "threads": torch.get_num_threads(), "rounds": args.rounds, "aa": args.aa,
+                    "context": args.context, "engine": engine}}
+    for v in res["ms"].values():
+        v["ratio"] = round(v["huge"] / v["4k"], 3)
+    write_result(args.out, "hugepages", res, report(res), plot)
+    print(report(res))
+    return 0
+
+
+def report(res: dict) -> str:
+    mt = res["meta"]
+    arms = "both on huge pages (A/A control)" if mt["aa"] else "4 KiB pages vs huge pages"
+    lines = [f"# Weights on 4 KiB vs transparent huge pages ({mt['date']}, {mt['cpu']}, {mt['threads']} threads)", "",
+             f"`{mt['command']}`: {arms}; medians of {mt['rounds']} rounds, every step after a step of the other "
+             f"engine, 1 row, {mt['context']}-token context; target {mt['engine']}.", "",
+             "| step | 4 KiB pages, ms | huge pages, ms | ratio |", "|---|---|---|---|"]
+    for key, v in res["ms"].items():
+        what = (f"target, {key[8:]} new tokens" if key.startswith("target") else f"drafting, block {key[7:]}")
+        lines.append(f"| {what} | {v['4k']:.2f} | {v['huge']:.2f} | {v['ratio']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict):
+    import matplotlib.pyplot as plt
+
+    keys = list(res["ms"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(range(len(keys)), [res["ms"][k]["ratio"] for k in keys])
+    ax.axhline(1.0, color="gray", ls="--")
+    ax.set_xticks(range(len(keys)), [k.replace("target_", "").replace("draft_", "draft ") for k in keys])
+    ax.set_ylabel("huge pages / 4 KiB pages (step time)")
+    ax.set_ylim(0.8, 1.1)
+    return fig
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
