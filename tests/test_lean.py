@@ -23,6 +23,7 @@ def test_lean_logits_equal_transformers(arch, dtype, tol):
     ids = torch.randint(4, 96, (2, 70))
     ref = hf.reference_logits(ids)
     assert (lean.reference_logits(ids) - ref).abs().max() <= tol
+    assert torch.equal(lean.embed(ids), hf.embed(ids))  # F.embedding for a plain table, the module where it scales
     cache = lean.new_cache(2, 80)
     lean.forward(ids[:, :60], torch.arange(60).expand(2, 60), cache, kv_len=60)
     h, feats = lean.forward(ids[:, 60:], torch.arange(60, 70).expand(2, 10), cache, kv_len=70)
