@@ -4,10 +4,12 @@ process.
     .venv/bin/python bench/hugepages.py --out bench/results/hugepages-amd [--aa]
 
 Two engines (the default target and the bundled drafter) are loaded, the first with `hugepages` off, the second on;
-then in each round every step runs once on each, the engines' order alternating round by round: one-token and
+then in each round every step runs on each, the engines' order alternating round by round: one-token and
 small-verify target steps (1 row, after a 176-token prompt) and the drafter's drafting steps at blocks 2, 4 and 16.
-Every step follows a step of the other engine, so its weights come from memory as in decoding. --aa loads both on
-huge pages (the A/A control: ratios within its spread are noise). Writes hugepages.json, .md and .png into --out.
+--block 1 (the default): every step follows a step of the other engine, so both engines' weights and page tables
+compete for the caches (this favours huge pages more than one engine would see); --block 30: 30 steps in a row per
+engine, as a lone engine decodes. --aa loads both on huge pages (the A/A control: ratios within its spread are
+noise). Writes hugepages.json, .md and .png into --out.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=150)
     ap.add_argument("--context", type=int, default=176)
     ap.add_argument("--aa", action="store_true", help="both engines on huge pages (the A/A control)")
+    ap.add_argument("--block", type=int, default=1,
+                    help="steps in a row on one engine (> 5: its first 5 not counted): 1 interleaves the engines "
+                         "step by step (their page tables compete too); 30 runs each like a lone engine")
     args = ap.parse_args()
     if not hugepages.enabled():
         raise SystemExit("transparent huge pages are off here (or DFLASHKIT_HUGE_PAGES=0): nothing to compare")
@@ -76,13 +81,14 @@ def main() -> int:
         for i in range(args.rounds + 10):
             for key in keys:
                 for arm in (("4k", "huge") if i % 2 else ("huge", "4k")):
-                    t0 = time.perf_counter()
-                    fns[arm, key]()
-                    if i >= 10:  # warm-up rounds
-                        runs[arm, key].append((time.perf_counter() - t0) * 1e3)
+                    for j in range(args.block):
+                        t0 = time.perf_counter()
+                        fns[arm, key]()
+                        if i >= 10 and (args.block == 1 or j >= 5):  # warm-up rounds; a block's first steps
+                            runs[arm, key].append((time.perf_counter() - t0) * 1e3)
     res = {"ms": {key: {arm: round(statistics.median(runs[arm, key]), 3) for arm in ("4k", "huge")} for key in keys},
            "meta": {"command": "bench/hugepages.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
-                    "cpu": cpu_name(), "threads": torch.get_num_threads(), "rounds": args.rounds, "aa": args.aa,
+                    "cpu": cpu_name(), "threads": torch.get_num_threads(), "rounds": args.rounds, "aa": args.aa, "block": args.block,
                     "context": args.context, "engine": engine}}
     for v in res["ms"].values():
         v["ratio"] = round(v["huge"] / v["4k"], 3)
@@ -95,8 +101,10 @@ def report(res: dict) -> str:
     mt = res["meta"]
     arms = "both on huge pages (A/A control)" if mt["aa"] else "4 KiB pages vs huge pages"
     lines = [f"# Weights on 4 KiB vs transparent huge pages ({mt['date']}, {mt['cpu']}, {mt['threads']} threads)", "",
-             f"`{mt['command']}`: {arms}; medians of {mt['rounds']} rounds, every step after a step of the other "
-             f"engine, 1 row, {mt['context']}-token context; target {mt['engine']}.", "",
+             f"`{mt['command']}`: {arms}; medians of {mt['rounds']} rounds, "
+             + ("every step after a step of the other engine" if mt.get("block", 1) == 1 else
+                f"{mt['block']} steps in a row per engine (the first 5 not counted)")
+             + f", 1 row, {mt['context']}-token context; target {mt['engine']}.", "",
              "| step | 4 KiB pages, ms | huge pages, ms | ratio |", "|---|---|---|---|"]
     for key, v in res["ms"].items():
         what = (f"target, {key[8:]} new tokens" if key.startswith("target") else f"drafting, block {key[7:]}")

@@ -7,7 +7,7 @@ dot-product rate (torch's fp32 and bf16 GEMM at 1024 x 2048 x 2048; the faster o
 `dflashkit generate` runs it (the default target on its default kernels, bf16): a target step of `w` new tokens
 per row (w = 1, 2, 4, 8, 16, 32) for `rows` rows (1, 2, 4, 8, 16) after a `--context`-token prompt, forward plus
 the LM head over every new token, as a verify pass computes it; and the bundled drafter's drafting step (one block
-of 16 per row) at 1-16 rows. For each:
+of 16 per row) at 1-16 rows, and at one row with blocks of 2 and 4 (the blocks the step policy drafts). For each:
   bytes = the weights the step reads (codes, scales, the head) + the K/V it attends to (bf16);
   FLOPs = 2 x weight elements x tokens + the attention's 4 x context x heads x head_dim per token and layer;
   roofline = max(bytes / bandwidth, FLOPs / peak); fraction = roofline / measured (1.0 = at the roofline).
@@ -25,12 +25,13 @@ import torch
 from dflashkit.measurements import cpu_name, median_ms
 
 WIDTHS, ROWS = [1, 2, 4, 8, 16, 32], [1, 2, 4, 8, 16]
+SHORT_BLOCKS = [2, 4]  # drafting blocks timed at one row beside the drafter's own (16)
 
 
 def machine(repeats: int) -> dict:
     """Streaming bandwidth (GB/s) and the peak GEMM rate (GFLOP/s) with torch's threads."""
     a = torch.ones(128 * 1024 * 1024)  # 512 MB
-    bw = a.numel() * 4 / median_ms(lambda: a.sum(), repeats) / 1e6
+    bw = a.numel() * 4 / median_ms(a.sum, repeats) / 1e6
     del a
     rates = {}
     for dt in (torch.float32, torch.bfloat16):
@@ -105,12 +106,17 @@ def drafter_steps(target, tok, ctx: int, m: dict, repeats: int, draft_vocab: int
         batch.add([eng.sequence(i, prompt, max_new_tokens=8) for i in range(rows)])
         view = DraftView(batch.anchor, batch.start, max(batch.starts), batch.seqs, batch.starts)
         prop.propose(batch.dstate, view)  # ingests the prompt's features once; later calls only draft
-        ms = median_ms(lambda: prop.propose(batch.dstate, view), repeats)
-        bytes_ = params * 2 + nbytes(head) + rows * (ctx + B) * dc.num_hidden_layers * 2 * dc.num_key_value_heads * \
-            dc.head_dim * 2
-        flops = 2 * (params * B + head.shape[0] * head.shape[1] * (B - 1)) * rows + \
-            4 * rows * B * (ctx + B) * dc.num_attention_heads * dc.head_dim * dc.num_hidden_layers
-        out[str(rows)] = roofline(ms, bytes_, flops, m)
+
+        def cost(ms: float, b: int) -> dict:  # a block of b per row
+            bytes_ = params * 2 + nbytes(head) + rows * (ctx + b) * dc.num_hidden_layers * 2 * \
+                dc.num_key_value_heads * dc.head_dim * 2
+            flops = 2 * (params * b + head.shape[0] * head.shape[1] * (b - 1)) * rows + \
+                4 * rows * b * (ctx + b) * dc.num_attention_heads * dc.head_dim * dc.num_hidden_layers
+            return roofline(ms, bytes_, flops, m)
+        out[str(rows)] = cost(median_ms(lambda: prop.propose(batch.dstate, view), repeats), B)
+        if rows == 1:  # also the short blocks the step policy drafts (`propose(block=...)`)
+            for b in SHORT_BLOCKS:
+                out[f"1_b{b}"] = cost(median_ms(lambda: prop.propose(batch.dstate, view, block=b), repeats), b)
     return out
 
 
@@ -144,7 +150,8 @@ def main() -> int:
             "rowlinear_isa": isa(), "context": args.context, "draft_vocab": args.draft_vocab, **m, **target_shape(target)}
     res = {"meta": meta, "target": steps, "drafter": drafts,
            "verify4_over_step1": round(steps["1x4"]["ms"] / one, 3),
-           "draft1_over_step1": round(drafts["1"]["ms"] / one, 3)}
+           "draft1_over_step1": round(drafts["1"]["ms"] / one, 3),
+           **{f"draft1_b{b}_over_step1": round(drafts[f"1_b{b}"]["ms"] / one, 3) for b in SHORT_BLOCKS}}
     write_result(args.out, "roofline", res, report(res), plot)
     print(report(res))
     return 0
@@ -170,7 +177,9 @@ def report(res: dict) -> str:
               "| rows | " + " | ".join(map(str, ROWS)) + " |", "|---|" + "---|" * len(ROWS),
               "| ms (fraction) | " + " | ".join(f"{d[str(r)]['ms']:.1f} ({d[str(r)]['fraction']:.0%})" for r in ROWS)
               + " |", "", f"A 4-token verify costs **{res['verify4_over_step1']:.2f}x** a one-token step; a drafting "
-              f"step at one row **{res['draft1_over_step1']:.2f}x**."]
+              f"step at one row **{res['draft1_over_step1']:.2f}x**"
+              + "".join(f", at block {b} **{res[f'draft1_b{b}_over_step1']:.2f}x** ({d[f'1_b{b}']['ms']:.2f} ms)"
+                        for b in SHORT_BLOCKS if f"draft1_b{b}_over_step1" in res) + "."]
     return "\n".join(lines) + "\n"
 
 
