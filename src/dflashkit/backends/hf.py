@@ -72,6 +72,7 @@ class HFTarget:
 
     def __init__(self, model: nn.Module, tap_ids: list[int] | None = None):
         self.model = model.eval()
+        self._embedding: tuple | None = None  # `embed`'s (module, its weight where plain), found on first use
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -114,8 +115,15 @@ class HFTarget:
         return architecture_of(self.model)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids: [B, T] -> [B, T, H], through the target's own embedding module (incl. any scaling, e.g. Gemma)."""
-        return self.model.get_input_embeddings()(ids)
+        """ids: [B, T] -> [B, T, H], through the target's own embedding module (incl. any scaling, e.g. Gemma). A
+        plain `nn.Embedding` (no scaling, no max_norm) is read with its forward's own `F.embedding` on a weight
+        found once: HF's module lookup and the module call cost ~35 us more right after a step has streamed the
+        weights through the caches, at every step of the lean target and every drafting pass."""
+        if self._embedding is None:
+            m = self.model.get_input_embeddings()
+            self._embedding = (m, m.weight if type(m) is nn.Embedding and m.max_norm is None else None)
+        module, weight = self._embedding
+        return F.embedding(ids, weight) if weight is not None else module(ids)
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: [..., H] final-normed states -> [..., V] logits (optionally over a row subset `weight`)."""

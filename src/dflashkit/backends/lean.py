@@ -175,7 +175,6 @@ class LeanTarget(HFTarget):
         self.head: RowLinear | None = None  # the LM head under our kernel (None: F.linear on lm_head_weight)
         self.fused_attention = False  # attention as one C++ call per layer (kernels/attention.cpp)
         self.stack = None  # all decoder layers as one C++ call per forward (kernels/layers.cpp), or None
-        self._embedding: tuple | None = None  # `embed`'s (module, its weight where plain), found on first use
 
     @property
     def kernel_plan(self) -> KernelPlan:
@@ -191,17 +190,6 @@ class LeanTarget(HFTarget):
     def engine_name(self) -> str:
         """The backend and its kernels, e.g. LeanTarget+rowlinear.avx2+attend+layers (bench reports, logs)."""
         return "+".join([type(self).__name__] + self.kernel_plan.parts)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [B, T] -> [B, T, H]. A plain `nn.Embedding` (no scaling, no max_norm) is called as its forward's own
-        `F.embedding` on its weight (the same row copy): HF's module lookup and the module call cost ~35 us more
-        right after a step has streamed the weights through the caches, at every step and every drafting pass."""
-        if self._embedding is None:  # found once
-            m = self.model.get_input_embeddings()
-            plain = type(m) is torch.nn.Embedding and m.max_norm is None
-            self._embedding = (m, m.weight if plain else None)
-        module, weight = self._embedding
-        return F.embedding(ids, weight) if weight is not None else module(ids)
 
     def use_fused_attention(self) -> None:
         """Attention as one row-invariant C++ call per layer (kernels/attention.cpp) instead of ~30 tensor ops."""

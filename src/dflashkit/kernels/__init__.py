@@ -3,8 +3,9 @@ computed (fp32 products, or for 4/8-bit weights optionally 8-bit activations and
 `attend`, the lean target's attention in one row-invariant call per layer.
 
 The C++ sources (module.cpp, rowlinear.cpp, qlinear.cpp, plinear.cpp, attention.cpp, layers.cpp, keylists.cpp,
-argmax.cpp, drafttree.cpp; simd.h holds the helpers the kernels share) are compiled once per torch version with torch's extension
-builder (g++ and the `ninja` package) into ~/.cache/dflashkit/kernels and loaded from there afterwards.
+argmax.cpp, drafttree.cpp; simd.h holds the helpers the kernels share) are compiled once per torch version with
+torch's extension builder (g++ and the `ninja` package) into ~/.cache/dflashkit/kernels and loaded from there
+afterwards.
 Where they cannot be built (no compiler, no AVX2/FMA, not x86-64), `available()` says why and callers keep torch's
 kernels.
 """
