@@ -616,3 +616,19 @@ def test_beam_tree_in_cpp_builds_topk_trees_tree(seed, monkeypatch):
                     par = int(fast.parent[r, i])
                     assert par < i + 1 and (par == 0 or fast.depth[r, par - 1] == fast.depth[r, i] - 1)
                     assert not live[i] or par == 0 or live[par - 1]  # a kept node's parent is kept
+
+
+def test_nan_drafts_give_a_full_tree_not_a_crash():
+    """A drafter whose logits hold NaN drafts garbage but must not crash the process: drafttree.cpp ranks NaN as
+    -infinity, so the per-slot top-k and the beam still hold k candidates (a short list once read past its end)."""
+    from dflashkit import kernels, tree
+
+    kernels.load()
+    logits = torch.randn(1, 3, 40).bfloat16()
+    logits[0, 1, 5] = float("nan")  # one NaN: that slot's sum is NaN, so all its log-probs are
+    lp, ids = kernels.draft_topk(logits, 16)
+    assert ids.shape == (1, 3, 16) and bool(((ids >= 0) & (ids < 40)).all())
+    assert len(set(ids[0, 1].tolist())) == 16  # 16 distinct ids even beside the NaN
+    for logp in (lp, torch.full((1, 3, 16), float("nan"))):
+        nodes = tree.topk_tree(ids, logp, 20)
+        assert nodes.tokens.shape == (1, 20) and bool((nodes.parent[0] < torch.arange(1, 21)).all())

@@ -29,7 +29,9 @@ using dflashkit::widen;
 namespace {
 
 // At most k (value, index) pairs, best first. Pairs are pushed in ascending index order; a new pair goes after the
-// equal values already held (lower indices), so the list is in (value descending, index ascending) order.
+// equal values already held (lower indices), so the list is in (value descending, index ascending) order. A NaN
+// ranks as -infinity (below every number): the list still fills to k, so a drafter's NaN drafts garbage, never
+// reads past the list.
 template <typename T>
 struct Best {
   int64_t k;
@@ -38,7 +40,8 @@ struct Best {
   explicit Best(int64_t k_) : k(k_) { val.reserve(k + 1), idx.reserve(k + 1); }
   bool full() const { return static_cast<int64_t>(val.size()) == k; }
   void push(T v, int64_t i) {
-    if (v != v || (full() && !(v > val.back()))) return;  // NaN: never drafted
+    if (v != v) v = -std::numeric_limits<T>::infinity();
+    if (full() && !(v > val.back())) return;
     const auto at = std::upper_bound(val.begin(), val.end(), v, [](T a, T b) { return a > b; }) - val.begin();
     val.insert(val.begin() + at, v), idx.insert(idx.begin() + at, i);
     if (static_cast<int64_t>(val.size()) > k) val.pop_back(), idx.pop_back();
@@ -62,9 +65,8 @@ void row_topk(const uint16_t* x, int64_t V, int64_t k, float* lp, int64_t* ix) {
     const __m256 v = bf16x8(x + i);
     acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(v, mb)));
     // Why test the whole vector first: once k are held, few of V values beat the k-th; skip those 8 at once.
-    const float floor = best.full() ? best.val.back() : -std::numeric_limits<float>::infinity();
-    int hit = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(floor), _CMP_GE_OQ));
-    if (!best.full()) hit = 0xff;
+    int hit = 0xff;
+    if (best.full()) hit = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(best.val.back()), _CMP_GE_OQ));
     while (hit) {
       const int j = __builtin_ctz(hit);
       hit &= hit - 1;
@@ -80,11 +82,7 @@ void row_topk(const uint16_t* x, int64_t V, int64_t k, float* lp, int64_t* ix) {
     best.push(v, i);
   }
   const float ls = std::log(s);
-  for (int64_t j = 0; j < k; ++j) {
-    const bool have = j < static_cast<int64_t>(best.val.size());  // fewer than k non-NaN values
-    lp[j] = have ? (best.val[j] - m) - ls : -std::numeric_limits<float>::infinity();
-    ix[j] = have ? best.idx[j] : 0;
-  }
+  for (int64_t j = 0; j < k; ++j) lp[j] = (best.val[j] - m) - ls, ix[j] = best.idx[j];  // k <= V: the list is full
 }
 
 // One row's beam (tree.py `topk_tree`): per depth j the K best paths of (depth j-1's K paths) x (slot j's K
