@@ -67,15 +67,16 @@ def step_ms(engine, block: int, rows: int, ctx: int) -> callable:
     return lambda: prop.propose(batch.dstate, view, scores=True)
 
 
-def target_step(target, ctx: int) -> callable:
-    """A one-token target step (forward + LM head) after a ctx-token prompt."""
-    cache = target.new_cache(1, ctx + 2)
-    ids = torch.randint(4, target.vocab_size, (1, ctx + 1), generator=torch.Generator().manual_seed(0))
+def target_step(target, ctx: int, w: int = 1) -> callable:
+    """A w-token target step (forward + LM head over every new token, as a verify computes it) after a ctx-token
+    prompt; w = 1: a plain decoding step."""
+    cache = target.new_cache(1, ctx + w + 1)
+    ids = torch.randint(4, target.vocab_size, (1, ctx + w), generator=torch.Generator().manual_seed(0))
     target.forward(ids[:, :ctx], torch.arange(ctx)[None], cache, kv_len=ctx, taps=False)
-    pos = torch.tensor([[ctx]])
+    pos = torch.arange(ctx, ctx + w)[None]
 
     def step():
-        h, _ = target.forward(ids[:, ctx:], pos, cache, kv_len=ctx + 1, taps=False)
+        h, _ = target.forward(ids[:, ctx:], pos, cache, kv_len=ctx + w, taps=False)
         return target.logits(h)
     return step
 

@@ -32,17 +32,6 @@ WIDTHS = [1, 2, 4, 8, 16]
 BLOCKS = [2, 4, 16]
 
 
-def verify_step(target, ctx: int, w: int):
-    """A w-token target step (forward + LM head over every new token) after a ctx-token prompt."""
-    if w == 1:
-        return target_step(target, ctx)
-    cache = target.new_cache(1, ctx + w + 1)
-    ids = torch.randint(4, target.vocab_size, (1, ctx + w), generator=torch.Generator().manual_seed(0))
-    target.forward(ids[:, :ctx], torch.arange(ctx)[None], cache, kv_len=ctx, taps=False)
-    pos = torch.arange(ctx, ctx + w)[None]
-    return lambda: target.logits(target.forward(ids[:, ctx:], pos, cache, kv_len=ctx + w, taps=False)[0])
-
-
 def arm_steps(on: bool, ctx: int) -> tuple[dict, str]:
     """One engine's steps, loaded with `hugepages` on or off, each run once (weights packed lazily are packed now,
     under this arm's setting); and the target's engine name."""
@@ -50,7 +39,7 @@ def arm_steps(on: bool, ctx: int) -> tuple[dict, str]:
     hugepages._state["on"] = on
     target, tok, drafter, _ = load_models(dtype="bfloat16")
     eng = DFlashEngine(target, drafter, tokenizer=tok)
-    fns = {f"target_w{w}": verify_step(target, ctx, w) for w in WIDTHS}
+    fns = {f"target_w{w}": target_step(target, ctx, w) for w in WIDTHS}
     fns.update({f"draft_b{b}": step_ms(eng, b, 1, ctx) for b in BLOCKS})
     for fn in fns.values():
         fn()
