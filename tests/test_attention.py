@@ -1,7 +1,8 @@
 """The fused attention kernel (kernels/attention.cpp): the softmax attention it states, and a query's output bits
-independent of what else shares the call. The kernel lays its work out in three ways (a unit per query head; units
-that load a kv head's keys once for several queries and heads; those units split over the threads by phase), chosen
-by list length, batch rows and threads: the bits must not depend on which one ran."""
+independent of what else shares the call. The kernel lays its work out in four ways (a unit per query head; on AVX-512,
+a unit per query and kv head for short lists; units that load a kv head's keys once for several queries and heads;
+those units split over the threads by phase), chosen by list length, batch rows, threads and CPU: the bits must not
+depend on which one ran."""
 
 import pytest
 import torch
@@ -88,6 +89,39 @@ def test_a_querys_bits_do_not_depend_on_what_shares_the_call(S, hd):
         for o in outs[1:]:
             assert torch.equal(o.view(torch.int16), outs[0].view(torch.int16))
     finally:
+        torch.set_num_threads(threads)
+
+
+def _avx512() -> bool:
+    flags = open("/proc/cpuinfo").read().split()
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl"))
+
+
+@pytest.mark.skipif(not _avx512(), reason="the grouped layout runs on AVX-512 CPUs only")
+@pytest.mark.parametrize("B,Q,nh,kvh,hd,S", [(1, 1, 9, 3, 64, 176), (1, 4, 9, 3, 64, 181), (3, 2, 9, 3, 64, 300),
+                                             (1, 16, 9, 3, 64, 190), (2, 3, 8, 2, 64, 77), (1, 5, 7, 1, 64, 45),
+                                             (1, 1, 10, 2, 128, 203), (2, 9, 8, 2, 128, 150), (1, 2, 4, 4, 128, 6),
+                                             (1, 1, 32, 8, 128, 1000), (2, 1, 12, 12, 64, 13)])
+def test_the_grouped_layout_gives_the_split_layouts_bits(B, Q, nh, kvh, hd, S):
+    """Short lists on AVX-512 run one unit per (query, kv head) whose query heads share each widened key and value
+    row, two keys a 16-lane register and eight keys' sums a tree; `set_isa("avx2")` keeps the per-(query, head)
+    8-lane layout. Both must give the same bits: kv groups of 1-12 heads (chains in registers 1-4 at a time, a
+    unit split over the threads when there are few), lists not a multiple of 8 keys, holes and tails, one thread
+    or two."""
+    from dflashkit.kernels import set_isa
+
+    args = _case(B, Q, nh, kvh, hd, S, seed=S + Q)
+    threads = torch.get_num_threads()
+    try:
+        for n in sorted({1, threads}):
+            torch.set_num_threads(n)
+            grouped = attend(*args)
+            set_isa("avx2")
+            split = attend(*args)
+            set_isa("auto")
+            assert torch.equal(grouped.view(torch.int16), split.view(torch.int16))
+    finally:
+        set_isa("auto")
         torch.set_num_threads(threads)
 
 

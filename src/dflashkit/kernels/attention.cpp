@@ -24,9 +24,12 @@
 #include <limits>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 using dflashkit::bf16_round;
+using dflashkit::bf16_round8;
+using dflashkit::store8x16;
 using dflashkit::bf16x8;
 using dflashkit::exp8;
 using dflashkit::hsum8;
@@ -411,6 +414,157 @@ void run_split(const Call& shared, int64_t B, const bool* hp, int64_t S, const i
   });
 }
 
+// Short lists on AVX-512 (`grouped`): one unit per (batch row, query, kv head), its g query heads as chains that
+// share one slot list. Each key and value row is widened once for the unit's chains instead of once per chain, two
+// keys' 8-lane score chains share a 16-lane register (key a in lanes 0-7, key b in 8-15: each half is exactly the
+// 8-lane chain of `score_rows`), eight keys' horizontal sums run as one tree (each key's adds in `hsum8`'s pairs),
+// and the value sums, per element, run 16 elements a register. The same bits as `run_split` (tests/test_attention.py
+// compares the two on one CPU: `set_isa("avx2")` forces the 8-lane layout).
+#define DFK_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+bool grouped_path(int64_t hd) {
+  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return cpu && !dflashkit_avx2_forced() && (hd == 64 || hd == 128);
+}
+
+// 16 bf16 in memory -> 16 fp32 (exact).
+DFK_AVX512 inline __m512 widen16(const uint16_t* p) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+// The scores of eight keys for one chain, times sc, in key order. A[p] holds keys 2p (lanes 0-7) and 2p + 1 (lanes
+// 8-15), each 8-lane half a finished `score_rows` accumulator. `hsum8` adds lane i + lane i + 4, then lanes 0 + 2 and
+// 1 + 3, then those two: the tree below makes exactly these adds for all eight halves at once.
+DFK_AVX512 inline __m256 hsum8_x8(const __m512* A, float sc) {
+  const __m512 s0 = _mm512_add_ps(_mm512_shuffle_f32x4(A[0], A[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(A[0], A[1], _MM_SHUFFLE(3, 1, 3, 1)));  // 128-bit lane k: key k
+  const __m512 s1 = _mm512_add_ps(_mm512_shuffle_f32x4(A[2], A[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(A[2], A[3], _MM_SHUFFLE(3, 1, 3, 1)));  // ... key 4 + k
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(3, 2, 3, 2)));  // [k: s0+s2, s1+s3, k+4: ..]
+  const __m512 r = _mm512_mul_ps(_mm512_add_ps(u, _mm512_movehdup_ps(u)), _mm512_set1_ps(sc));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, r));
+}
+
+// Scores of NC chains (q rows qr[c]) over slots [0, n) of sl: eight keys at a time, the rest by `score_rows`.
+template <int HD, int NC>
+DFK_AVX512 void grouped_scores(const uint16_t* kb, const int64_t* sl, int64_t n, const uint16_t* const* qr, float sc,
+                               float* score, int64_t stride) {
+  constexpr int NV = HD / 8;
+  alignas(64) float qd[NC][NV][16];  // each chain's q, 8 elements at a time, twice: [q 8j.. | q 8j..]
+  for (int c = 0; c < NC; ++c)
+    for (int j = 0; j < NV; ++j) {
+      const __m256 h = bf16x8(qr[c] + 8 * j);
+      _mm256_store_ps(qd[c][j], h);
+      _mm256_store_ps(qd[c][j] + 8, h);
+    }
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m512 A[NC][4];
+    for (int c = 0; c < NC; ++c)
+      for (int p = 0; p < 4; ++p) A[c][p] = _mm512_setzero_ps();
+    for (int e = 0; e < HD / 16; ++e)  // elements 16e .. 16e + 15: fma steps j = 2e, 2e + 1 (ascending, per lane)
+      for (int p = 0; p < 4; ++p) {
+        const __m512 ka = widen16(kb + sl[i + 2 * p] * HD + 16 * e), kbv = widen16(kb + sl[i + 2 * p + 1] * HD + 16 * e);
+        const __m512 lo = _mm512_shuffle_f32x4(ka, kbv, _MM_SHUFFLE(1, 0, 1, 0));  // [a 16e..+7 | b 16e..+7]
+        const __m512 hi = _mm512_shuffle_f32x4(ka, kbv, _MM_SHUFFLE(3, 2, 3, 2));  // [a 16e+8.. | b 16e+8..]
+        for (int c = 0; c < NC; ++c) {
+          A[c][p] = _mm512_fmadd_ps(_mm512_load_ps(qd[c][2 * e]), lo, A[c][p]);
+          A[c][p] = _mm512_fmadd_ps(_mm512_load_ps(qd[c][2 * e + 1]), hi, A[c][p]);
+        }
+      }
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(score + c * stride + i, hsum8_x8(A[c], sc));
+  }
+  for (int c = 0; c < NC; ++c)
+    score_rows<HD>(qr[c], HD, [&](int64_t r) { return kb + sl[r] * HD; }, i, n, sc, score + c * stride);
+}
+
+// o rows out[c] = (sum over slots ascending of w[c][i] * v row sl[i]) / den[c], rounded to bf16: per element the
+// `own_values` chain, 16 elements a register, each value row widened once for the NC chains.
+template <int HD, int NC>
+DFK_AVX512 void grouped_values(const uint16_t* vb, int64_t vd, const int64_t* sl, int64_t n, const float* w,
+                               int64_t stride, const float* den, uint16_t* const* out) {
+  constexpr int NE = HD / 16;
+  __m512 acc[NC][NE];
+  for (int c = 0; c < NC; ++c)
+    for (int e = 0; e < NE; ++e) acc[c][e] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t* vr = vb + sl[i] * vd;  // vd may be odd (hd + 1): unaligned loads
+    __m512 v[NE];
+    for (int e = 0; e < NE; ++e) v[e] = widen16(vr + 16 * e);
+    for (int c = 0; c < NC; ++c) {
+      const __m512 ev = _mm512_set1_ps(w[c * stride + i]);
+      for (int e = 0; e < NE; ++e) acc[c][e] = _mm512_fmadd_ps(ev, v[e], acc[c][e]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) {
+    const __m512 dv = _mm512_set1_ps(den[c]);
+    for (int e = 0; e < NE; ++e) {  // a division is exact IEEE: the same quotient as the scalar one
+      const __m512 o = _mm512_div_ps(acc[c][e], dv);
+      store8x16(out[c] + 16 * e, bf16_round8(_mm512_castps512_ps256(o)));
+      store8x16(out[c] + 16 * e + 8, bf16_round8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(o), 1))));
+    }
+  }
+}
+
+// One unit's NC chains (query heads h0 .. h0 + NC of kv head kv) over the query's slot list sl [n]; w: [NC, n].
+template <int HD, int NC>
+DFK_AVX512 void grouped_chains(const Call& x, int64_t r, int64_t kv, int64_t h0, const std::vector<int64_t>& sl,
+                               float* w) {
+  const int64_t n = static_cast<int64_t>(sl.size()), b = r / x.Q;
+  const uint16_t* qr[NC];
+  uint16_t* out[NC];
+  float den[NC];
+  for (int c = 0; c < NC; ++c) {
+    const int64_t h = kv * x.g + h0 + c;
+    qr[c] = x.q + (r * x.nh + h) * HD;
+    out[c] = x.o + (r * x.nh + h) * HD;
+  }
+  grouped_scores<HD, NC>(x.k + (b * x.kvh + kv) * x.T * HD, sl.data(), n, qr, x.sc, w, n);
+  for (int c = 0; c < NC; ++c) den[c] = softmax_weights(w + c * n, n);
+  grouped_values<HD, NC>(x.v + (b * x.kvh + kv) * x.T * x.vd, x.vd, sl.data(), n, w, n, den, out);
+}
+
+// Chains h0 .. h1 of one unit, at most `most` a call (value sums in registers: HD / 16 each).
+template <int HD>
+void grouped_unit(const Call& x, int64_t r, int64_t kv, int64_t h0, int64_t h1, const std::vector<int64_t>& sl,
+                  std::vector<float>& w) {
+  constexpr int most = HD == 64 ? 4 : 2;
+  w.resize(most * std::max<size_t>(sl.size(), 1));
+  for (; h0 < h1; h0 += most) {
+    switch (std::min<int64_t>(most, h1 - h0)) {
+      case 1: grouped_chains<HD, 1>(x, r, kv, h0, sl, w.data()); break;
+      case 2: grouped_chains<HD, 2>(x, r, kv, h0, sl, w.data()); break;
+      case 3: if constexpr (most >= 3) grouped_chains<HD, 3>(x, r, kv, h0, sl, w.data()); break;
+      default: if constexpr (most >= 4) grouped_chains<HD, 4>(x, r, kv, h0, sl, w.data()); break;
+    }
+  }
+}
+
+// Short lists, grouped: a work item per (batch row, query, kv head), or per part of its heads where there are
+// fewer units than twice the threads (a one-token step: 3 units on 2 threads would leave one thread half idle).
+// Each thread lists the slots of the query it serves (kept while consecutive items share it).
+void run_grouped(const Call& x, int64_t B, const bool* hp, int64_t S, const int64_t* tp, int64_t L) {
+  const int64_t units = B * x.Q * x.kvh;
+  const int64_t parts = std::min(x.g, (2 * at::get_num_threads() + units - 1) / units);
+  const int64_t size = (x.g + parts - 1) / parts;  // heads per item
+  at::parallel_for(0, units * parts, 1, [&](int64_t a, int64_t e) {
+    std::vector<int64_t> sl;
+    std::vector<float> w;
+    int64_t listed = -1;
+    for (int64_t it = a; it < e; ++it) {
+      const int64_t r = it / (x.kvh * parts), kv = it / parts % x.kvh, h0 = it % parts * size;  // r = b * Q + query
+      if (h0 >= x.g) continue;
+      if (r != listed) visible_slots(hp + r * S, S, tp + r * L, L, sl), listed = r;
+      const int64_t h1 = std::min(x.g, h0 + size);
+      x.hd == 64 ? grouped_unit<64>(x, r, kv, h0, h1, sl, w) : grouped_unit<128>(x, r, kv, h0, h1, sl, w);
+    }
+  });
+}
+
 }  // namespace
 
 // q [B, Q, nh, hd] bf16; keys [B, kvh, T, hd] bf16; values [B, kvh, T, vd >= hd] bf16 (the first hd columns are
@@ -443,7 +597,10 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
   const bool few = B * ((Q + kQueryBlock - 1) / kQueryBlock) * kvh < 2 * at::get_num_threads();
   const bool share = S + L >= kShareSlots || (Q >= kQueryBlock && S + L >= kShareSlotsBlock);
   if (!share || (few && S + L < kPhasedSlots)) {
-    run_split(x, B, hp, S, tp, L);
+    if (grouped_path(hd))
+      run_grouped(x, B, hp, S, tp, L);
+    else
+      run_split(x, B, hp, S, tp, L);
     return o;
   }
   at::parallel_for(0, B * Q, 16, [&](int64_t a, int64_t e) {  // a one-row step lists its few queries inline
