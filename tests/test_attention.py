@@ -104,11 +104,11 @@ def _avx512() -> bool:
                                              (1, 1, 32, 8, 128, 1000), (2, 1, 12, 12, 64, 13)])
 def test_the_grouped_layout_gives_the_split_layouts_bits(B, Q, nh, kvh, hd, S):
     """Short lists on AVX-512 run one unit per (query, kv head) whose query heads share each widened key and value
-    row, two keys a 16-lane register and eight keys' sums a tree; `set_isa("avx2")` keeps the per-(query, head)
-    8-lane layout. Both must give the same bits: kv groups of 1-12 heads (chains in registers 1-4 at a time, a
+    row, two keys a 16-lane register and eight keys' sums a tree; `set_attention_layout("split")` (or
+    `set_isa("avx2")`) keeps the per-(query, head) 8-lane layout. Both must give the same bits: kv groups of 1-12 heads (chains in registers 1-4 at a time, a
     unit split over the threads when there are few), lists not a multiple of 8 keys, holes and tails, one thread
     or two."""
-    from dflashkit.kernels import set_isa
+    from dflashkit.kernels import set_attention_layout, set_isa
 
     args = _case(B, Q, nh, kvh, hd, S, seed=S + Q)
     threads = torch.get_num_threads()
@@ -116,12 +116,13 @@ def test_the_grouped_layout_gives_the_split_layouts_bits(B, Q, nh, kvh, hd, S):
         for n in sorted({1, threads}):
             torch.set_num_threads(n)
             grouped = attend(*args)
-            set_isa("avx2")
-            split = attend(*args)
-            set_isa("auto")
-            assert torch.equal(grouped.view(torch.int16), split.view(torch.int16))
+            for force in (lambda: set_attention_layout("split"), lambda: set_isa("avx2")):
+                force()
+                split = attend(*args)
+                set_attention_layout("auto"), set_isa("auto")
+                assert torch.equal(grouped.view(torch.int16), split.view(torch.int16))
     finally:
-        set_isa("auto")
+        set_attention_layout("auto"), set_isa("auto")
         torch.set_num_threads(threads)
 
 

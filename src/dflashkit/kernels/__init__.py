@@ -368,6 +368,12 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, head: torc
     return _loaded().attend(q, keys, values, head, tail, scale)
 
 
+def set_attention_layout(name: str) -> str:
+    """"split": `attend` keeps short key lists on its per-(query, head) layout on any CPU; "auto": AVX-512 CPUs run
+    them grouped per (query, kv head). The same bits either way (tests, A/B benchmarks). Returns the previous one."""
+    return _loaded().attend_set_layout(name)
+
+
 def key_lists(positions: torch.Tensor, slots: torch.Tensor, kv_len: int, visible: torch.Tensor | None,
               tail_depth: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
     """positions / slots [B, Q] int64, visible [B, 1, Q, kv_len] bool or None -> (head [B, Q, kv_len] bool, tail

@@ -422,10 +422,12 @@ void run_split(const Call& shared, int64_t B, const bool* hp, int64_t S, const i
 // compares the two on one CPU: `set_isa("avx2")` forces the 8-lane layout).
 #define DFK_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 
+bool split_forced = false;  // attend_set_layout("split"): tests and A/B benchmarks (the same bits either way)
+
 bool grouped_path(int64_t hd) {
   static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return cpu && !dflashkit_avx2_forced() && (hd == 64 || hd == 128);
+  return cpu && !split_forced && !dflashkit_avx2_forced() && (hd == 64 || hd == 128);
 }
 
 // 16 bf16 in memory -> 16 fp32 (exact).
@@ -612,4 +614,13 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
   else
     run_units(x, shared);
   return o;
+}
+
+// "split" keeps short lists on the per-(query, head) layout on any CPU, "auto" lets AVX-512 CPUs group them; returns
+// the layout that was set before. Process-wide; both give the same bits.
+std::string attend_set_layout(const std::string& layout) {
+  TORCH_CHECK(layout == "auto" || layout == "split", "attend_set_layout: 'auto' or 'split', not '", layout, "'");
+  const std::string was = split_forced ? "split" : "auto";
+  split_forced = layout == "split";
+  return was;
 }

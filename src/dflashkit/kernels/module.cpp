@@ -14,6 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("plinear", &plinear, nogil, "y = x . W^T for packed Q4_1 codes, bf16 activations, row-invariant");
   mod.def("plinear_available", &plinear_available, "whether plinear runs here (AVX512-BF16, not forced to avx2)");
   mod.def("attend", &attend, nogil, "the lean target's attention, row-invariant (attention.cpp)");
+  mod.def("attend_set_layout", &attend_set_layout,
+          "'split': short lists one unit per (query, head); 'auto': grouped on AVX-512 (attention.cpp)");
   mod.def("key_lists", &key_lists, "each query's head-part slots and tail slots for attend (keylists.cpp)");
   mod.def("argmax_bf16", &argmax_bf16, nogil, "each row's argmax over bf16 logits, as torch.argmax (argmax.cpp)");
   mod.def("draft_topk", &draft_topk, nogil, "each row's k best ids and log-probabilities (drafttree.cpp)");

@@ -18,6 +18,7 @@ bool plinear_available();  // an AVX512-BF16 CPU, the ISA not forced to avx2 (ro
 // the lean target's attention, row-invariant (attention.cpp)
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor head, torch::Tensor tail,
                      double scale);
+std::string attend_set_layout(const std::string& layout);  // "split" or "auto": short lists' layout (same bits)
 // each query's key lists for `attend`: its head part's slots and its tail's, from positions and slots (keylists.cpp)
 std::tuple<torch::Tensor, torch::Tensor> key_lists(torch::Tensor positions, torch::Tensor slots, int64_t kv_len,
                                                    c10::optional<torch::Tensor> visible, int64_t tail_depth, int64_t L);

@@ -1,0 +1,102 @@
+"""Steps with `attend`'s grouped layout for short key lists vs its per-(query, head) split layout, A/B in one process.
+
+    .venv/bin/python bench/attention_ab.py --out bench/results/attention-grouped [--aa] [--rounds 150]
+
+The default engine (the default target, the bundled drafter) is loaded once; the layout is a process-wide switch
+(`kernels.set_attention_layout`, the same bits either way), so each step runs under "split" and under "auto" (grouped
+on AVX-512 CPUs) back to back, the arms' order alternating round by round: one-row target steps of 1-16 new tokens
+after a 176-token prompt (forward + LM head over every new token, as a verify computes it) and the drafter's
+drafting steps at blocks 2, 4 and 16. Also each arm's 4-token verify over its one-token step (issue 34's ratio).
+--aa runs "auto" in both arms (the A/A control: ratios within its spread are noise). Writes attention_ab.json, .md
+and .png into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from dflashkit import DFlashEngine
+from dflashkit.kernels import set_attention_layout
+from dflashkit.loader import load_models
+from dflashkit.measurements import cpu_name
+
+from draft_block import step_ms, target_step  # noqa: E402  (bench/ is not a package)
+
+WIDTHS = [1, 2, 4, 8, 16]
+BLOCKS = [2, 4, 16]
+
+
+def main() -> int:
+    from dflashkit.bench.report import write_result
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=150)
+    ap.add_argument("--context", type=int, default=176)
+    ap.add_argument("--aa", action="store_true", help='"auto" in both arms (the A/A control)')
+    args = ap.parse_args()
+    arms = {"split": "auto" if args.aa else "split", "grouped": "auto"}
+    with torch.inference_mode():
+        target, tok, drafter, _ = load_models(dtype="bfloat16")
+        eng = DFlashEngine(target, drafter, tokenizer=tok)
+        fns = {f"target_w{w}": target_step(target, args.context, w) for w in WIDTHS}
+        fns.update({f"draft_b{b}": step_ms(eng, b, 1, args.context) for b in BLOCKS})
+        runs: dict = {(arm, k): [] for arm in arms for k in fns}
+        try:
+            for i in range(args.rounds + 10):
+                for key, fn in fns.items():
+                    for arm in (("split", "grouped") if i % 2 else ("grouped", "split")):
+                        set_attention_layout(arms[arm])
+                        t0 = time.perf_counter()
+                        fn()
+                        if i >= 10:  # warm-up rounds
+                            runs[arm, key].append((time.perf_counter() - t0) * 1e3)
+        finally:
+            set_attention_layout("auto")
+    ms = {key: {arm: round(statistics.median(runs[arm, key]), 3) for arm in arms} for key in fns}
+    for v in ms.values():
+        v["ratio"] = round(v["grouped"] / v["split"], 3)
+    res = {"ms": ms,
+           "verify4_over_step1": {arm: round(ms["target_w4"][arm] / ms["target_w1"][arm], 3) for arm in arms},
+           "meta": {"command": "bench/attention_ab.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
+                    "cpu": cpu_name(), "threads": torch.get_num_threads(), "rounds": args.rounds, "aa": args.aa,
+                    "context": args.context, "engine": target.engine_name}}
+    write_result(args.out, "attention_ab", res, report(res), plot)
+    print(report(res))
+    return 0
+
+
+def report(res: dict) -> str:
+    mt, v4 = res["meta"], res["verify4_over_step1"]
+    arms = '"auto" in both arms (A/A control)' if mt["aa"] else "split layout vs grouped layout"
+    lines = [f"# Short-list attention layouts in real steps ({mt['date']}, {mt['cpu']}, {mt['threads']} threads)", "",
+             f"`{mt['command']}`: {arms}; medians of {mt['rounds']} rounds, the arms back to back step by step, 1 row, "
+             f"{mt['context']}-token context; target {mt['engine']}.", "",
+             "| step | split, ms | grouped, ms | ratio |", "|---|---|---|---|"]
+    for key, v in res["ms"].items():
+        what = (f"target, {key[8:]} new tokens" if key.startswith("target") else f"drafting, block {key[7:]}")
+        lines.append(f"| {what} | {v['split']:.2f} | {v['grouped']:.2f} | {v['ratio']:.3f} |")
+    lines += ["", f"4-token verify / one-token step: split {v4['split']:.3f}x, grouped {v4['grouped']:.3f}x."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict):
+    import matplotlib.pyplot as plt
+
+    keys = list(res["ms"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(range(len(keys)), [res["ms"][k]["ratio"] for k in keys])
+    ax.axhline(1.0, color="gray", ls="--")
+    ax.set_xticks(range(len(keys)), [k.replace("target_", "").replace("draft_", "draft ") for k in keys])
+    ax.set_ylabel("grouped / split layout (step time)")
+    ax.set_ylim(0.7, 1.1)
+    return fig
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
