@@ -3,13 +3,16 @@
     .venv/bin/python bench/drafter_ab.py --drafter-b src/dflashkit/drafters/smollm2-135m-instruct-dflash2 \
         --dataset sharegpt-heldout --prompts 16 --batch-size 1 --batch-size 8 --out bench/results/dflash2-selector/speed
 
+    .venv/bin/python bench/drafter_ab.py --weights-b q4_1 --out bench/results/draft-q4/speed
+
 What it answers: does a new drafter (B) make the default system (the adaptive policy, tree + lookup) faster than
 the current one (A) on prompts neither was tuned on? Per batch size, every chunk of prompts is decoded by AR, AR
 again (the A/A control: the host's noise), the default with A and the default with B, one step of each in turn
 (`runner.run_lockstep`; who goes first balanced by `turn_order`), so the host's drift hits all four alike. Reported:
 decode tokens/s (tokens after the first / time after the prefill), tau, and per-chunk medians of B / A and
 default / AR. Both engines share one target; greedy; the outputs of all four are checked equal (lossless).
-Writes drafter_ab.json, .md and .png.
+--weights-a / --weights-b: the drafter's stacked layers as these copies (`drafter.layer_stack`: bf16, q8_0, q4_1;
+default: the engine's choice), so B may be the same drafter on other weights. Writes drafter_ab.json, .md and .png.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dflashkit.bench import turn_order
 from dflashkit.bench.datasets import load_dataset
 from dflashkit.bench.runner import run_lockstep
 from dflashkit.checkpoint import load_drafter
+from dflashkit.drafter import layer_stack
 from dflashkit.loader import encode_chat, load_models
 
 NAMES = ("ar", "ar-again", "default-a", "default-b")
@@ -102,7 +106,9 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--drafter-a", default=None, help="drafter directory (default: the bundled drafter)")
-    ap.add_argument("--drafter-b", required=True, help="the drafter to compare with A")
+    ap.add_argument("--drafter-b", default=None, help="the drafter to compare with A (default: the bundled drafter)")
+    ap.add_argument("--weights-a", default=None, choices=("bf16", "q8_0", "q4_1"), help="A's stacked layers")
+    ap.add_argument("--weights-b", default=None, choices=("bf16", "q8_0", "q4_1"), help="B's stacked layers")
     ap.add_argument("--dataset", default="sharegpt-heldout")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -111,11 +117,18 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.drafter_b is None and args.weights_b is None:
+        ap.error("give --drafter-b, --weights-b or both: B must differ from A")
     sizes = args.batch_size or [1, 8]
     target, tok, drafter_a, _ = load_models(drafter=args.drafter_a, dtype=args.dtype)
-    drafter_b = load_drafter(args.drafter_b, dtype=target.dtype)
+    drafter_b = (load_drafter(args.drafter_b, dtype=target.dtype) if args.drafter_b else
+                 load_models(dtype=args.dtype)[2])
     a = DFlashEngine(target, drafter_a, tokenizer=tok)
     b = DFlashEngine(target, drafter_b, tokenizer=tok)
+    for eng, weights in ((a, args.weights_a), (b, args.weights_b)):
+        if weights is not None:  # the drafter's layers on these copies; the engine's proposers rebuilt for them
+            eng.drafter.stack = layer_stack(eng.drafter, weights)
+            eng.set_proposers()
     default = DecodeConfig.recommended()
     engines = {"ar": (a, DecodeConfig.autoregressive()), "ar-again": (a, DecodeConfig.autoregressive()),
                "default-a": (a, default), "default-b": (b, default)}
@@ -128,7 +141,9 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join(["bench/drafter_ab.py"] + sys.argv[1:]),
-            "drafter_a": args.drafter_a or "bundled", "drafter_b": args.drafter_b, "dataset": args.dataset,
+            "drafter_a": (args.drafter_a or "bundled") + (f" ({args.weights_a} layers)" if args.weights_a else ""),
+            "drafter_b": (args.drafter_b or "bundled") + (f" ({args.weights_b} layers)" if args.weights_b else ""),
+            "dataset": args.dataset,
             "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "threads": torch.get_num_threads(),
             "policy": {"a": a.policy_stats(), "b": b.policy_stats()}}
     (out / "drafter_ab.json").write_text(json.dumps({"meta": meta, "results": res}, indent=2) + "\n")

@@ -234,17 +234,19 @@ def windowed_mask(mask: torch.Tensor, q_pos: torch.Tensor, S: int, window: int |
     return lo, mask & vis[:, None]
 
 
-def layer_stack(drafter: DFlashDrafter, q8: bool | None = None):
+def layer_stack(drafter: DFlashDrafter, weights: str | None = None):
     """The drafter's layers as ONE C++ call per drafting step (kernels/layers.cpp, the stack the lean target runs:
     the ~40 small torch ops per layer around the kernels were ~half of a drafting step on a CPU), or None where it
     cannot run them (no kernels, not bf16, attention biases, a width not a multiple of 32, DFlash2's convolutions,
     sliding-window or causal draft layers).
     Its fused qkv, gate/up and kv (the context's K/V, `Stack.context`) weights are copies: build it once per drafter
     (`DFlashEngine` does, next to a stacked target).
-    q8: the linears as Q8_0 copies on 8-bit activations (`RowLinear.q8_from_bf16`, qlinear.cpp): half the bytes a
-    drafting step reads, and a drafter's numbers need not match anything, only its acceptance (unchanged: chain tau
-    1.9266 vs 1.9284 on 40 held-out prompts; a drafting step at blocks 2-4 0.6-0.8 ms shorter, `draft-q8/`). None: yes,
-    unless DFLASHKIT_DRAFTER_BF16=1 (A/B runs). Which ran is `drafter.stack_weights`."""
+    weights: what the linears' copies are. "q8_0" (the default): Q8_0 copies on 8-bit activations
+    (`RowLinear.q8_from_bf16`, qlinear.cpp): half the bytes a drafting step reads, and a drafter's numbers need not
+    match anything, only its acceptance (unchanged: chain tau 1.9266 vs 1.9284 on 40 held-out prompts; a drafting
+    step at blocks 2-4 0.6-0.8 ms shorter, `draft-q8/`); "q4_1": Q4_1 copies (`RowLinear.q4_from_bf16`), a quarter of
+    the bytes; "bf16": the weights themselves. None: DFLASHKIT_DRAFTER_WEIGHTS, else "bf16" where
+    DFLASHKIT_DRAFTER_BF16=1 (A/B runs), else "q8_0". Which ran is `drafter.stack_weights`."""
     from .kernels import RowLinear, load, stack_linear
 
     c = drafter.config
@@ -255,13 +257,17 @@ def layer_stack(drafter: DFlashDrafter, q8: bool | None = None):
             or any(w % 32 for w in widths)):
         return None
 
-    if q8 is None:
-        q8 = not os.environ.get("DFLASHKIT_DRAFTER_BF16")
-    drafter.stack_weights = "q8_0" if q8 else "bf16"
+    if weights is None:
+        weights = os.environ.get("DFLASHKIT_DRAFTER_WEIGHTS") or (
+            "bf16" if os.environ.get("DFLASHKIT_DRAFTER_BF16") else "q8_0")
+    copy = {"bf16": RowLinear.from_bf16, "q8_0": RowLinear.q8_from_bf16, "q4_1": RowLinear.q4_from_bf16}.get(weights)
+    if copy is None:
+        raise ValueError(f"the drafter's stacked weights are bf16, q8_0 or q4_1, not {weights!r} "
+                         "(DFLASHKIT_DRAFTER_WEIGHTS)")
+    drafter.stack_weights = weights
 
     def fused(*mods):
-        w = torch.cat([m.weight.detach() for m in mods]).contiguous()
-        return stack_linear(RowLinear.q8_from_bf16(w) if q8 else RowLinear.from_bf16(w))
+        return stack_linear(copy(torch.cat([m.weight.detach() for m in mods]).contiguous()))
 
     stack = load().Stack(c.num_attention_heads, c.num_key_value_heads, c.head_dim, float(c.rms_norm_eps))
     for layer in drafter.layers:

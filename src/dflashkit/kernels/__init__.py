@@ -235,6 +235,24 @@ class RowLinear:
         return cls("q8_0", q.reshape(n, k), n, k, d, None, int8_acts=True)
 
     @classmethod
+    def q4_from_bf16(cls, w: torch.Tensor) -> "RowLinear":
+        """w [N, K] quantised to Q4_1 as GGML quantises (per 32-block min and d = (max - min) / 15 in fp32,
+        q = trunc((w - min) / d + 0.5) in 0..15, d and min stored as fp16) on 8-bit activations (qlinear): a quarter
+        of w's bytes and a coarser layer than `q8_from_bf16`'s, for weights judged by what they cost and accept (a
+        drafter's)."""
+        n, k = w.shape
+        if k % 32:
+            raise ValueError(f"in_features must be a multiple of 32 (got {k})")
+        b = w.detach().float().reshape(n, k // 32, 32)
+        lo = b.amin(-1, keepdim=True)
+        d = (b.amax(-1, keepdim=True) - lo) / 15
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        q = torch.trunc((b - lo) * inv + 0.5).clamp(0, 15).to(torch.uint8)
+        # GGML's Q4_1 bytes: byte j of a block holds element j (low nibble) and element j + 16 (high nibble)
+        codes = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2)
+        return cls("q4_1", codes, n, k, d[..., 0].half(), lo[..., 0].half(), int8_acts=True)
+
+    @classmethod
     def from_ggml(cls, kind: str, raw: torch.Tensor, n_out: int, in_features: int) -> "RowLinear":
         """raw: a GGUF tensor's bytes as uint8 [N, bytes per row] (GGML block layout, 32 weights per block)."""
         nb = in_features // 32
