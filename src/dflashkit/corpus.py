@@ -154,8 +154,21 @@ class Corpus:
             return CorpusMatch([], 0, 0)
         pick = order[lo:hi] if hi - lo <= SAMPLED else order[np.linspace(lo, hi - 1, SAMPLED).astype(np.int64)]
         nxt = padded[pick[:, None] + np.arange(1, max_tokens + 1)[None]]  # [m, k] continuations (+ 1)
-        out, support = [], 0
-        for j in range(max_tokens):
+        out, support, j = [], 0, 0
+        while j < max_tokens:
+            rest = nxt[:, j:]
+            agree = (rest == rest[0]).all(0)  # columns on which every occurrence left continues alike
+            run = agree.size if agree.all() else int(agree.argmin())
+            if run:  # their tokens need no vote (a vote would pick them with every occurrence's count)
+                border = np.flatnonzero(rest[0, :run] == 0)
+                take = rest[0, :border[0] if border.size else run]
+                if j == 0 and take.size:
+                    support = len(nxt)
+                out.extend(int(v) - 1 for v in take)
+                if border.size:  # every occurrence ends here (a border)
+                    break
+                j += run
+                continue
             vals, counts = np.unique(nxt[:, j], return_counts=True)
             best = int(np.argmax(counts))
             if vals[best] == 0:  # most occurrences end here (a border)
@@ -164,5 +177,6 @@ class Corpus:
                 support = int(counts[best])
             out.append(int(vals[best]) - 1)
             nxt = nxt[nxt[:, j] == vals[best]]
+            j += 1
         # a match with nothing to copy: none
         return CorpusMatch(out, n, support, len(pick)) if out else CorpusMatch([], 0, 0)

@@ -73,6 +73,7 @@ class HFTarget:
     def __init__(self, model: nn.Module, tap_ids: list[int] | None = None):
         self.model = model.eval()
         self._embedding: tuple | None = None  # `embed`'s (module, its weight where plain), found on first use
+        self._lm_head: torch.Tensor | None = None  # `lm_head_weight`, found on first use
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -100,15 +101,19 @@ class HFTarget:
     # ---- properties of the frozen target the drafter borrows ---------------------------------------
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.get_output_embeddings().weight.dtype
+        return self.lm_head_weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.get_output_embeddings().weight.device
+        return self.lm_head_weight.device
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.model.get_output_embeddings().weight
+        """The output embedding's weight, found once: HF's module lookup cost ~15 us a call, and a step reads
+        `device` and `dtype` several times. The same Parameter follows `.to()` (which replaces its data in place)."""
+        if self._lm_head is None:
+            self._lm_head = self.model.get_output_embeddings().weight
+        return self._lm_head
 
     @property
     def architecture(self) -> str:
