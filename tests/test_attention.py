@@ -105,9 +105,9 @@ def _avx512() -> bool:
 def test_the_grouped_layout_gives_the_split_layouts_bits(B, Q, nh, kvh, hd, S):
     """Short lists on AVX-512 run one unit per (query, kv head) whose query heads share each widened key and value
     row, two keys a 16-lane register and eight keys' sums a tree; `set_attention_layout("split")` (or
-    `set_isa("avx2")`) keeps the per-(query, head) 8-lane layout. Both must give the same bits: kv groups of 1-12 heads (chains in registers 1-4 at a time, a
-    unit split over the threads when there are few), lists not a multiple of 8 keys, holes and tails, one thread
-    or two."""
+    `set_isa("avx2")`) keeps the per-(query, head) 8-lane layout. Both must give the same bits: kv groups of 1-12
+    heads (chains in registers 1-4 at a time, a unit split over the threads when there are few), lists not a
+    multiple of 8 keys, holes and tails, one thread or two."""
     from dflashkit.kernels import set_attention_layout, set_isa
 
     args = _case(B, Q, nh, kvh, hd, S, seed=S + Q)

@@ -523,7 +523,8 @@ def test_the_drafter_runs_on_the_layer_stack_beside_a_stacked_target(arch, weigh
         else:  # 8/4-bit weights, 8-bit activations: within `tol` of the values' scale
             scale = float(vp.detach().float().abs().max())
             torch.testing.assert_close(vs[..., :8].float(), vp.float(), rtol=tol, atol=tol * scale)
-            torch.testing.assert_close(ks.float(), kp.float(), rtol=tol, atol=tol * float(kp.detach().float().abs().max()))
+            kscale = float(kp.detach().float().abs().max())
+            torch.testing.assert_close(ks.float(), kp.float(), rtol=tol, atol=tol * kscale)
     prompts = [[5, 9, 11, 3], [7, 7, 1, 30, 31, 2, 8]]
     ar = eng.generate(prompts, max_new_tokens=32, config=DecodeConfig.autoregressive())
     assert [x.tokens for x in eng.generate(prompts, max_new_tokens=32)] == [x.tokens for x in ar]

@@ -470,7 +470,8 @@ DFK_AVX512 void grouped_scores(const uint16_t* kb, const int64_t* sl, int64_t n,
       for (int p = 0; p < 4; ++p) A[c][p] = _mm512_setzero_ps();
     for (int e = 0; e < HD / 16; ++e)  // elements 16e .. 16e + 15: fma steps j = 2e, 2e + 1 (ascending, per lane)
       for (int p = 0; p < 4; ++p) {
-        const __m512 ka = widen16(kb + sl[i + 2 * p] * HD + 16 * e), kbv = widen16(kb + sl[i + 2 * p + 1] * HD + 16 * e);
+        const __m512 ka = widen16(kb + sl[i + 2 * p] * HD + 16 * e);
+        const __m512 kbv = widen16(kb + sl[i + 2 * p + 1] * HD + 16 * e);
         const __m512 lo = _mm512_shuffle_f32x4(ka, kbv, _MM_SHUFFLE(1, 0, 1, 0));  // [a 16e..+7 | b 16e..+7]
         const __m512 hi = _mm512_shuffle_f32x4(ka, kbv, _MM_SHUFFLE(3, 2, 3, 2));  // [a 16e+8.. | b 16e+8..]
         for (int c = 0; c < NC; ++c) {
