@@ -13,7 +13,6 @@ and .png into --out.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ from dflashkit.loader import load_models
 from dflashkit.measurements import cpu_name
 
 from draft_block import step_ms, target_step  # noqa: E402  (bench/ is not a package)
+from step_ab import ab_parser, plot_ratios, step_label  # noqa: E402
 
 WIDTHS = [1, 2, 4, 8, 16]
 BLOCKS = [2, 4, 16]
@@ -34,11 +34,7 @@ BLOCKS = [2, 4, 16]
 def main() -> int:
     from dflashkit.bench.report import write_result
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--rounds", type=int, default=150)
-    ap.add_argument("--context", type=int, default=176)
-    ap.add_argument("--aa", action="store_true", help='"auto" in both arms (the A/A control)')
+    ap = ab_parser(__doc__, '"auto" in both arms (the A/A control)')
     args = ap.parse_args()
     arms = {"split": "auto" if args.aa else "split", "grouped": "auto"}
     with torch.inference_mode():
@@ -79,23 +75,14 @@ def report(res: dict) -> str:
              f"{mt['context']}-token context; target {mt['engine']}.", "",
              "| step | split, ms | grouped, ms | ratio |", "|---|---|---|---|"]
     for key, v in res["ms"].items():
-        what = (f"target, {key[8:]} new tokens" if key.startswith("target") else f"drafting, block {key[7:]}")
+        what = step_label(key)
         lines.append(f"| {what} | {v['split']:.2f} | {v['grouped']:.2f} | {v['ratio']:.3f} |")
     lines += ["", f"4-token verify / one-token step: split {v4['split']:.3f}x, grouped {v4['grouped']:.3f}x."]
     return "\n".join(lines) + "\n"
 
 
 def plot(res: dict):
-    import matplotlib.pyplot as plt
-
-    keys = list(res["ms"])
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(range(len(keys)), [res["ms"][k]["ratio"] for k in keys])
-    ax.axhline(1.0, color="gray", ls="--")
-    ax.set_xticks(range(len(keys)), [k.replace("target_", "").replace("draft_", "draft ") for k in keys])
-    ax.set_ylabel("grouped / split layout (step time)")
-    ax.set_ylim(0.7, 1.1)
-    return fig
+    return plot_ratios(res["ms"], "grouped / split layout (step time)", (0.7, 1.1))
 
 
 if __name__ == "__main__":

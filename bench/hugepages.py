@@ -14,7 +14,6 @@ noise). Writes hugepages.json, .md and .png into --out.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ from dflashkit.loader import load_models
 from dflashkit.measurements import cpu_name
 
 from draft_block import step_ms, target_step  # noqa: E402  (bench/ is not a package)
+from step_ab import ab_parser, plot_ratios, step_label  # noqa: E402
 
 WIDTHS = [1, 2, 4, 8, 16]
 BLOCKS = [2, 4, 16]
@@ -49,11 +49,7 @@ def arm_steps(on: bool, ctx: int) -> tuple[dict, str]:
 def main() -> int:
     from dflashkit.bench.report import write_result
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--rounds", type=int, default=150)
-    ap.add_argument("--context", type=int, default=176)
-    ap.add_argument("--aa", action="store_true", help="both engines on huge pages (the A/A control)")
+    ap = ab_parser(__doc__, "both engines on huge pages (the A/A control)")
     ap.add_argument("--block", type=int, default=1,
                     help="steps in a row on one engine (> 5: its first 5 not counted): 1 interleaves the engines "
                          "step by step (their page tables compete too); 30 runs each like a lone engine")
@@ -96,22 +92,13 @@ def report(res: dict) -> str:
              + f", 1 row, {mt['context']}-token context; target {mt['engine']}.", "",
              "| step | 4 KiB pages, ms | huge pages, ms | ratio |", "|---|---|---|---|"]
     for key, v in res["ms"].items():
-        what = (f"target, {key[8:]} new tokens" if key.startswith("target") else f"drafting, block {key[7:]}")
+        what = step_label(key)
         lines.append(f"| {what} | {v['4k']:.2f} | {v['huge']:.2f} | {v['ratio']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
 def plot(res: dict):
-    import matplotlib.pyplot as plt
-
-    keys = list(res["ms"])
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(range(len(keys)), [res["ms"][k]["ratio"] for k in keys])
-    ax.axhline(1.0, color="gray", ls="--")
-    ax.set_xticks(range(len(keys)), [k.replace("target_", "").replace("draft_", "draft ") for k in keys])
-    ax.set_ylabel("huge pages / 4 KiB pages (step time)")
-    ax.set_ylim(0.8, 1.1)
-    return fig
+    return plot_ratios(res["ms"], "huge pages / 4 KiB pages (step time)", (0.8, 1.1))
 
 
 if __name__ == "__main__":
