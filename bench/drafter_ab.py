@@ -31,7 +31,7 @@ from dflashkit.bench.datasets import load_dataset
 from dflashkit.bench.runner import run_lockstep
 from dflashkit.checkpoint import load_drafter
 from dflashkit.drafter import layer_stack
-from dflashkit.loader import encode_chat, load_models
+from dflashkit.loader import encode_chat, load_default_drafter, load_models
 
 NAMES = ("ar", "ar-again", "default-a", "default-b")
 
@@ -106,7 +106,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--drafter-a", default=None, help="drafter directory (default: the bundled drafter)")
-    ap.add_argument("--drafter-b", default=None, help="the drafter to compare with A (default: the bundled drafter)")
+    ap.add_argument("--drafter-b", default=None, help="the drafter to compare with A (default: A's drafter)")
     ap.add_argument("--weights-a", default=None, choices=("bf16", "q8_0", "q4_1"), help="A's stacked layers")
     ap.add_argument("--weights-b", default=None, choices=("bf16", "q8_0", "q4_1"), help="B's stacked layers")
     ap.add_argument("--dataset", default="sharegpt-heldout")
@@ -121,8 +121,8 @@ def main() -> int:
         ap.error("give --drafter-b, --weights-b or both: B must differ from A")
     sizes = args.batch_size or [1, 8]
     target, tok, drafter_a, _ = load_models(drafter=args.drafter_a, dtype=args.dtype)
-    drafter_b = (load_drafter(args.drafter_b, dtype=target.dtype) if args.drafter_b else
-                 load_models(dtype=args.dtype)[2])
+    source_b = args.drafter_b or args.drafter_a  # only --weights-b: A's drafter again, its own layer stack
+    drafter_b = (load_drafter(source_b, dtype=target.dtype) if source_b else load_default_drafter(target, tok)[0])
     a = DFlashEngine(target, drafter_a, tokenizer=tok)
     b = DFlashEngine(target, drafter_b, tokenizer=tok)
     for eng, weights in ((a, args.weights_a), (b, args.weights_b)):
@@ -142,7 +142,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join(["bench/drafter_ab.py"] + sys.argv[1:]),
             "drafter_a": (args.drafter_a or "bundled") + (f" ({args.weights_a} layers)" if args.weights_a else ""),
-            "drafter_b": (args.drafter_b or "bundled") + (f" ({args.weights_b} layers)" if args.weights_b else ""),
+            "drafter_b": (source_b or "bundled") + (f" ({args.weights_b} layers)" if args.weights_b else ""),
             "dataset": args.dataset,
             "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "threads": torch.get_num_threads(),
             "policy": {"a": a.policy_stats(), "b": b.policy_stats()}}

@@ -73,7 +73,8 @@ def main() -> int:
                             runs[arm, key].append((time.perf_counter() - t0) * 1e3)
     res = {"ms": {key: {arm: round(statistics.median(runs[arm, key]), 3) for arm in ("4k", "huge")} for key in keys},
            "meta": {"command": "bench/hugepages.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
-                    "cpu": cpu_name(), "threads": torch.get_num_threads(), "rounds": args.rounds, "aa": args.aa, "block": args.block,
+                    "cpu": cpu_name(), "threads": torch.get_num_threads(), "rounds": args.rounds, "aa": args.aa,
+                    "block": args.block,
                     "context": args.context, "engine": engine}}
     for v in res["ms"].values():
         v["ratio"] = round(v["huge"] / v["4k"], 3)
