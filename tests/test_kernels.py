@@ -176,9 +176,8 @@ def _exact_codes_definition(lin: RowLinear, x: torch.Tensor) -> torch.Tensor:
     """plinear.cpp's layer written plainly in fp32 torch ops (each rounded to nearest even). Per block, chains start
     at 0 and take the element pairs (a, c) in the packed order, each as S += v_c x_c, then S += v_a x_a (`dpbf16ps`
     adds a pair's high word first; its products are exact). Q4_1: one chain of v = 128 + q, then acc = fma(S, d, acc),
-    acc = fma(m - 128 d, X_b, acc). Q8_0: u = q + 128 = 16 h + l, chains S_l (v = 128 + l) and S_h (v = 128 + h),
-    then acc = fma(S_h, 16 d, acc), fma(S_l, d, acc), fma(-2304 d, X_b, acc). X_b: the block's activations summed in
-    element order."""
+    acc = fma(m - 128 d, X_b, acc) (X_b: the block's activations summed in element order). Q8_0: one chain of v = q
+    over the pairs (2 i, 2 i + 1) in element order, then acc = fma(S, d, acc)."""
     n, k = lin.shape
     nb, rows = k // 32, x.shape[0]
     if lin.kind == "q4_1":
@@ -186,9 +185,8 @@ def _exact_codes_definition(lin: RowLinear, x: torch.Tensor) -> torch.Tensor:
         chains = [128 + torch.cat([b & 0x0F, b >> 4], dim=-1).float()]  # [N, nb, 32] in element order
         pairs = [(8 * p + a, 8 * p + c, 0) for p in range(4) for a, c in ((0, 2), (4, 6), (1, 3), (5, 7))]
     else:
-        u = lin.codes.view(n, nb, 32).to(torch.int32) + 128
-        chains = [128 + (u & 0x0F).float(), 128 + (u >> 4).float()]  # S_l, S_h
-        pairs = [(4 * j + e, 4 * j + e + 2, c) for j in range(8) for e in (0, 1) for c in (0, 1)]
+        chains = [lin.codes.view(n, nb, 32).float()]
+        pairs = [(2 * i, 2 * i + 1, 0) for i in range(16)]
     xf = x.float().view(rows, nb, 32)
     fma = (lambda a, b, c: (a.double() * b.double() + c.double()).float())
     acc = torch.zeros(rows, n)
@@ -205,9 +203,7 @@ def _exact_codes_definition(lin: RowLinear, x: torch.Tensor) -> torch.Tensor:
             acc = fma(s[0], d[None], acc)
             acc = fma((lin.minimum.view(n, -1)[:, blk] - 128 * d)[None], total[:, None], acc)
         else:
-            acc = fma(s[1], 16 * d[None], acc)
             acc = fma(s[0], d[None], acc)
-            acc = fma(-2304 * d[None], total[:, None], acc)
     return acc
 
 

@@ -315,8 +315,9 @@ class RowLinear:
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The codes as qlinear.cpp and plinear.cpp read them: groups of 16 rows, each block's codes in 64-byte
-        chunks holding four consecutive elements of the 16 rows (the layout is stated in qlinear.cpp); scales
-        fp32 [groups, blocks, 16]; q4_1 mins fp32 / q8_0 int32 corrections (128 x the block's code sum) alike.
+        chunks holding four consecutive elements of the 16 rows (the layout is stated in qlinear.cpp; plinear's q8_0
+        layout, with exact codes, holds pairs of elements instead: plinear.cpp); scales fp32 [groups, blocks, 16];
+        q4_1 mins fp32 / q8_0 int32 corrections (128 x the block's code sum; none for plinear's q8_0) alike.
         Rows past N (up to a multiple of 16) are zeros. Computed once, then kept."""
         if self._packed is None:  # on huge pages: the kernels stream these every step (hugepages.py)
             self._packed = tuple(hugepages.place(t) for t in _pack(self))
@@ -371,6 +372,10 @@ def _pack(w: RowLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = q.view(groups, 16, nb, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # [g, b, p, h, r, e]
         codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).contiguous().view(-1)
         return codes, per_row(w.scale), per_row(w.minimum)
+    if w.kind == "q8_0" and w.exact_codes:  # plinear.cpp: pair i of a block, byte 2 r + h = q[r][2 i + h]
+        q = rows(w.codes.view(n, nb, 32))  # int8
+        codes = q.view(groups, 16, nb, 16, 2).permute(0, 2, 3, 1, 4).contiguous().view(-1).view(torch.uint8)
+        return codes, per_row(w.scale), torch.zeros(0, dtype=torch.int32)  # no correction term there
     if w.kind == "q8_0":
         q = rows(w.codes.view(n, nb, 32))  # int8
         codes = q.view(groups, 16, nb, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(-1).view(torch.uint8)

@@ -1,32 +1,37 @@
 // Row-invariant linear layers on packed Q4_1 / Q8_0 codes with bf16 activations (CPUs with AVX512-BF16):
-// y[M, N] = x[M, K] . W[N, K]^T, W the GGUF's own 4-bit values, w = d * q + m per 32-block, never rounded.
+// y[M, N] = x[M, K] . W[N, K]^T, W the GGUF's own 4/8-bit values, w = d * q + m (Q8_0: d * q) per 32-block, never
+// rounded.
 //
 // Why: rowlinear's dot-product path decodes each weight to bf16 (fma(d, q, m) rounded), sums 16 partial lanes per
 // output and adds them up at the end; decoding costs ~9 instructions per 32 weights and the horizontal sums ~40 % of
-// a 4-token tile's work. Here a lane is a weight ROW (16 rows per vector, the packed layout qlinear reads) and the
-// codes enter the products as they are: the bf16 value 128 + q has the bits 0x4300 | q, so a nibble becomes a bf16
-// operand with one mask-and-or (q < 16 needs 4 of bf16's 7 fraction bits; 128 + q is exact), and one `dpbf16ps`
+// a 4-token tile's work. Here a lane is a weight ROW (16 rows per vector, packed in groups of 16 rows as qlinear's)
+// and the codes enter the products as they are: the bf16 value 128 + q has the bits 0x4300 | q, so a 4-bit code
+// becomes a bf16 operand with one mask-and-or (q < 16 needs 4 of bf16's 7 fraction bits; 128 + q is exact); an 8-bit
+// code is itself a bf16 value (|q| <= 128: 8 significant bits), widened and narrowed (`q8_pair`). One `dpbf16ps`
 // multiplies a pair of elements of 16 rows by a broadcast pair of activations. No horizontal sum, no buffer.
 //
 // The arithmetic, for every output element (token t, weight row n), whatever M is and whichever thread computes it:
 //   acc = 0 (fp32); for blocks b = 0, 1, ...:
 //     S = 0; for the block's 16 element pairs (a, c) in the order below:
-//         S = dpbf16(S, (128 + q_a, 128 + q_c), (x_a, x_c))   (the instruction's own arithmetic: both products exact
-//         in fp32, added to S with round-to-nearest-even, the high word's first; denormals flushed)
+//         S = dpbf16(S, (v_a, v_c), (x_a, x_c))   (v = 128 + q for Q4_1, v = q for Q8_0; the instruction's own
+//         arithmetic: both products exact in fp32, added to S with round-to-nearest-even, the high word's first;
+//         denormals flushed)
 //     acc = fma(S, d, acc)
-//     acc = fma(m - 128 d, X_b, acc)        (m - 128 d rounded to fp32 once; X_b = the block's 32 activations summed
-//                                              in fp32 in element order)
+//     Q4_1: acc = fma(m - 128 d, X_b, acc)  (m - 128 d rounded to fp32 once; X_b = the block's 32 activations summed
+//                                            in fp32 in element order)
 //   y = acc
-// so y = sum_b d (sum q x) + m X_b, the codes' own weights: the products are exact, the sums fp32 (far finer than the
-// 2^-9 per weight that rounding a weight to bf16 costs). S is a float sum, so its order is fixed: pairs in the order
-// of the packed chunks p = 0..3 and, within a chunk, the four nibble positions s = 0..3 (below); every width runs
-// that one chain per lane.
+// so y = sum_b d (sum q x) (+ m X_b), the codes' own weights: the products are exact, the sums fp32 (far finer than
+// the 2^-9 per weight that rounding a weight to bf16 costs). S is a float sum, so its order is fixed (below); every
+// width runs that one chain per lane.
 //
 // Packed q4_1 (kernels/__init__.py `_pack`, stated in qlinear.cpp): per (group of 16 rows, block) 4 chunks of 64
 // bytes; chunk p, byte 4 r + e: low nibble q[r][8 p + e], high nibble q[r][8 p + 4 + e]. Read as 16-bit words, row r
 // owns words 2 r, 2 r + 1 (bytes 4 r .. 4 r + 3); nibble position s (bits 4 s .. 4 s + 3 of each word) holds the pair
 //   s = 0: (8 p, 8 p + 2)   s = 1: (8 p + 4, 8 p + 6)   s = 2: (8 p + 1, 8 p + 3)   s = 3: (8 p + 5, 8 p + 7)
-// The activations are laid out once per call in that pair order (`pairs`), so each pair is one 32-bit broadcast.
+// and the chain takes chunks p = 0..3, within each the positions s = 0..3.
+// Packed q8_0 for this kernel (`_pack` with exact codes; qlinear's own layout differs): per (group, block) 16 pairs
+// of 32 bytes, pair i = elements (2 i, 2 i + 1), byte 2 r + h = q[r][2 i + h] (int8); the chain takes i = 0..15.
+// The activations are laid out once per call in their pair order (`pairs`), so each pair is one 32-bit broadcast.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -45,13 +50,13 @@ using dflashkit::widen;
 
 constexpr int64_t GROUP = 16;  // weight rows per packed group
 // The activations' pair order (`pairs`): pair 4 p + s of a block holds elements 8 p + PAIR[kind][s] (Q4_1: chunk p,
-// nibble position s; Q8_0: chunks 2 p, 2 p + 1, two pairs each; see pbf16_tile).
-constexpr int PAIR[3][4][2] = {{}, {{0, 2}, {4, 6}, {1, 3}, {5, 7}}, {{0, 2}, {1, 3}, {4, 6}, {5, 7}}};
+// nibble position s; Q8_0: element order, pair i = elements 2 i, 2 i + 1).
+constexpr int PAIR[3][4][2] = {{}, {{0, 2}, {4, 6}, {1, 3}, {5, 7}}, {{0, 1}, {2, 3}, {4, 5}, {6, 7}}};
 
 #define DFK_PBF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 struct Codes {
-  const uint8_t* codes;  // [groups, blocks, 4 x 64 bytes]
+  const uint8_t* codes;  // [groups, blocks, 256 (Q4_1) / 512 (Q8_0) bytes]
   const float* d;        // [groups, blocks, 16]
   const float* m;        // [groups, blocks, 16] (Q4_1)
   int64_t nb;
@@ -63,14 +68,23 @@ struct Acts {
   int64_t nb;
 };
 
-// One 64-byte chunk's four nibble vectors as bf16 operands: nibble position s of every 16-bit word, as 128 + the
-// nibble (0x4300 | n), via one ternary-logic op: B ? A ^ C : C with A = the shifted codes, B = 0x000f, C = 0x4300
-// (or 0x4308 where the nibble is flipped: Q8_0's high nibbles, `flip`; imm 0x6A).
-template <bool Flip>
+// One 64-byte Q4_1 chunk's four nibble vectors as bf16 operands: nibble position s of every 16-bit word, as 128 +
+// the nibble (0x4300 | n), via one ternary-logic op: B ? A ^ C : C with A = the shifted codes, B = 0x000f,
+// C = 0x4300 (imm 0x6A).
 DFK_PBF16 inline __m512bh nibbles(__m512i v, int s) {
   const __m512i low4 = _mm512_set1_epi16(0x000f);
-  const __m512i c = _mm512_set1_epi16(Flip && (s & 1) ? 0x4308 : 0x4300);
+  const __m512i c = _mm512_set1_epi16(0x4300);
   return (__m512bh)_mm512_ternarylogic_epi32(s ? _mm512_srli_epi16(v, 4 * s) : v, low4, c, 0x6A);
+}
+
+// One packed Q8_0 pair (32 bytes: row r's two codes at bytes 2 r, 2 r + 1) as bf16 operands, lane r = row r: the
+// codes sign-extended to int32 and converted to fp32 (exact), rows 0-7 and 8-15 narrowed to bf16 in one
+// `cvtne2ps2bf16` (exact: integers within 2^8). That instruction puts its second operand's 16 values in words
+// 0-15 and its first's in 16-31, so words 2 r, 2 r + 1 (lane r) are row r's codes: the order `_pack` stores.
+DFK_PBF16 inline __m512bh q8_pair(const uint8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
 // Why codes are prefetched AHEAD blocks on: from memory (a step streams ~100 MB of codes), R group streams at once
@@ -83,12 +97,13 @@ template <int KIND>
 constexpr int64_t AHEAD = KIND == 1 ? 16 : 8;  // blocks: 4 KB of each stream
 
 // MR tokens (t0 ..) x R groups (g0 ..): out lanes = rows. KIND 1 (Q4_1): one chain S per block over its 16 pairs.
-// KIND 2 (Q8_0, codes q in -128..127): u = q + 128 = 16 h + l (h, l nibbles; h is the code's high nibble with its top
-// bit flipped), two chains S_l = sum (128 + l) x and S_h = sum (128 + h) x over the block's 16 pairs each, and
-// sum q x = 16 S_h + S_l - 2304 X_b, so acc = fma(S_h, 16 d, acc); acc = fma(S_l, d, acc); acc = fma(-2304 d, X_b, acc)
-// (16 d and 2304 d = 9 d * 256 exact in fp32: d is an fp16 value). The packed Q8_0 chunk j (8 per block), byte
-// 4 r + e = q[r][4 j + e]: nibble positions s = 0 / 2 hold the low nibbles of elements (4 j, 4 j + 2) / (4 j + 1,
-// 4 j + 3), s = 1 / 3 their high nibbles.
+// KIND 2 (Q8_0, codes q in -128..127): one chain S = sum q x per block over its 16 pairs, then acc = fma(S, d, acc).
+// A code enters as the bf16 value q itself (at most 8 significant bits: exact), made by sign-extending the byte,
+// converting to fp32 and narrowing two vectors to bf16 (`q8_pairs`): ~10 instructions per 64 codes, one `dpbf16ps`
+// per pair and token. Why not two chains of 128 + a nibble, as Q4_1's one: each code would then cost two products
+// a token, which at 4+ tokens is what the head's time is (measured on an AMD EPYC: the head at 4 tokens ~1.6 ms of a
+// ~9.6 ms step, compute-bound; the narrowing costs less than the second chain's products from 2 tokens on, and at
+// one token both run under the codes' bytes / bandwidth).
 template <int KIND, int MR, int R>
 DFK_PBF16 void pbf16_tile(const Codes& W, int64_t g0, const Acts& X, int64_t t0, float* y, int64_t N) {
   __m512 acc[MR][R];
@@ -97,41 +112,36 @@ DFK_PBF16 void pbf16_tile(const Codes& W, int64_t g0, const Acts& X, int64_t t0,
   constexpr int64_t block_bytes = KIND == 1 ? 256 : 512;
   const int64_t stride = W.nb * block_bytes;  // the next group's same block
   for (int64_t b = 0; b < W.nb; ++b) {
-    __m512 S[MR][R], H[MR][R];  // H: Q8_0's high-nibble chains (unused for Q4_1: compiled away)
+    __m512 S[MR][R];
     for (int t = 0; t < MR; ++t)
-      for (int r = 0; r < R; ++r) S[t][r] = H[t][r] = _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) S[t][r] = _mm512_setzero_ps();
     const uint8_t* c = W.codes + (g0 * W.nb + b) * block_bytes;
     constexpr int64_t A = AHEAD<KIND>;
     const int64_t ahead = b + A < W.nb ? A * block_bytes : R * stride + (A - W.nb) * block_bytes;
-    for (int p = 0; p < (KIND == 1 ? 4 : 8); ++p) {
+    for (int p = 0; p < (KIND == 1 ? 4 : 8); ++p) {  // 64-byte chunks
       __m512i v[R];
       for (int r = 0; r < R; ++r) {
         if (MR > 1) _mm_prefetch(reinterpret_cast<const char*>(c + r * stride + 64 * p + ahead), _MM_HINT_T0);
-        v[r] = _mm512_loadu_si512(c + r * stride + 64 * p);
+        if (KIND == 1) v[r] = _mm512_loadu_si512(c + r * stride + 64 * p);
       }
-      for (int s = 0; s < 4; ++s) {
+      for (int s = 0; s < (KIND == 1 ? 4 : 2); ++s) {  // Q4_1: nibble positions; Q8_0: the chunk's two pairs
         __m512bh w[R];
-        for (int r = 0; r < R; ++r) w[r] = nibbles<KIND == 2>(v[r], s);
+        for (int r = 0; r < R; ++r) w[r] = KIND == 1 ? nibbles(v[r], s) : q8_pair(c + r * stride + 64 * p + 32 * s);
         for (int t = 0; t < MR; ++t) {
-          // Q4_1: pair 4 p + s; Q8_0: chunk p's pair s / 2 (s = 0, 1: elements 4 p, 4 p + 2; s = 2, 3: the others)
-          const int64_t i = ((t0 + t) * X.nb + b) * 16 + (KIND == 1 ? 4 * p + s : 2 * p + s / 2);
+          const int64_t i = ((t0 + t) * X.nb + b) * 16 + (KIND == 1 ? 4 * p + s : 2 * p + s);  // pair i
           const __m512bh xv = (__m512bh)_mm512_set1_epi32(X.pairs[i]);
-          for (int r = 0; r < R; ++r) {
-            if (KIND == 2 && (s & 1)) H[t][r] = _mm512_dpbf16_ps(H[t][r], w[r], xv);
-            else S[t][r] = _mm512_dpbf16_ps(S[t][r], w[r], xv);
-          }
+          for (int r = 0; r < R; ++r) S[t][r] = _mm512_dpbf16_ps(S[t][r], w[r], xv);
         }
       }
     }
     for (int r = 0; r < R; ++r) {
       const int64_t o = ((g0 + r) * W.nb + b) * GROUP;
       const __m512 d = _mm512_loadu_ps(W.d + o);
-      const __m512 m = KIND == 1 ? _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, _mm512_loadu_ps(W.m + o))  // exact 128 d
-                                 : _mm512_mul_ps(_mm512_set1_ps(-2304.0f), d);
+      __m512 m = _mm512_setzero_ps();
+      if constexpr (KIND == 1) m = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, _mm512_loadu_ps(W.m + o));  // exact
       for (int t = 0; t < MR; ++t) {
-        if (KIND == 2) acc[t][r] = _mm512_fmadd_ps(H[t][r], _mm512_mul_ps(_mm512_set1_ps(16.0f), d), acc[t][r]);
         acc[t][r] = _mm512_fmadd_ps(S[t][r], d, acc[t][r]);
-        acc[t][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(X.sum[(t0 + t) * X.nb + b]), acc[t][r]);
+        if constexpr (KIND == 1) acc[t][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(X.sum[(t0 + t) * X.nb + b]), acc[t][r]);
       }
     }
   }
@@ -208,21 +218,22 @@ torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
   TORCH_CHECK(kind == 1 || kind == 2, "plinear: kind must be 1 (q4_1) or 2 (q8_0)");
   TORCH_CHECK(codes.is_contiguous() && codes.numel() * codes.element_size() == groups * nb * (kind == 1 ? 256 : 512),
               "plinear: codes must be packed [groups, blocks, chunks] (RowLinear.packed)");
-  for (const torch::Tensor* t : {&d, &m})  // (Q8_0's m, qlinear's integer correction, is not read here)
+  for (const torch::Tensor* t : {&d, &m})  // (Q8_0's m is not read here)
     TORCH_CHECK(t == &m && kind == 2 ? true : t->scalar_type() == torch::kFloat && t->is_contiguous() &&
                                                   t->numel() == groups * nb * GROUP,
                 "plinear: scales and mins must be packed fp32 [groups, blocks, 16]");
   torch::Tensor xb = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
-  // Per token, once: the activations in the packed pair order, and each block's sum in element order.
-  std::vector<uint32_t> pairs(M * nb * 16);
-  std::vector<float> sums(M * nb);
-  lay_out(xp, M * nb, kind, pairs.data(), sums.data());
+  // Per token, once (Q4_1): the activations in the packed pair order, and each block's sum in element order. Q8_0's
+  // pairs are in element order: the row itself, read as 32-bit words.
+  std::vector<uint32_t> pairs(kind == 1 ? M * nb * 16 : 0);
+  std::vector<float> sums(kind == 1 ? M * nb : 0);
+  if (kind == 1) lay_out(xp, M * nb, kind, pairs.data(), sums.data());
   torch::Tensor yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   float* yp = yf.data_ptr<float>();
   const Codes W{static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(),
                 kind == 1 ? m.data_ptr<float>() : nullptr, nb};
-  const Acts X{pairs.data(), sums.data(), nb};
+  const Acts X{kind == 1 ? pairs.data() : reinterpret_cast<const uint32_t*>(xp), sums.data(), nb};
   // Threads split the groups of weight rows: each output element is computed whole by one thread, in the order above.
   at::parallel_for(0, groups, 1, [&](int64_t a, int64_t z) {
     if (kind == 1) pbf16_range<1>(W, a, z, X, M, yp, N);
