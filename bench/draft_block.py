@@ -58,13 +58,18 @@ def tau(accepted: list[int], cap: int | None = None) -> float:
 def step_ms(engine, block: int, rows: int, ctx: int) -> callable:
     """A drafting step of `rows` rows at block `block` after a ctx-token prompt (the prompt's features ingested
     once before): the callable the timing loop runs."""
+    return drafting_step(engine, block, rows, ctx)[1]
+
+
+def drafting_step(engine, block: int, rows: int, ctx: int) -> tuple[object, callable]:
+    """(the proposer, `step_ms`'s callable): A/B scripts swap the proposer's parts between calls."""
     prop = engine.drafter_proposer(engine.resolve(engine.config.replace(block_size=block)))  # the default's tree
     batch = engine.new_batch(ctx + 64)
     prompt = torch.randint(4, engine.target.vocab_size, (ctx,), generator=torch.Generator().manual_seed(1)).tolist()
     batch.add([engine.sequence(i, prompt, max_new_tokens=8) for i in range(rows)])
     view = DraftView(batch.anchor, batch.start, max(batch.starts), batch.seqs, batch.starts)
     prop.propose(batch.dstate, view, scores=True)  # as the adaptive policy asks: the nodes' path scores too
-    return lambda: prop.propose(batch.dstate, view, scores=True)
+    return prop, (lambda: prop.propose(batch.dstate, view, scores=True))
 
 
 def target_step(target, ctx: int, w: int = 1) -> callable:

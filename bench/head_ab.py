@@ -29,9 +29,8 @@ from dflashkit import DFlashEngine
 from dflashkit.kernels import RowLinear
 from dflashkit.loader import load_models
 from dflashkit.measurements import cpu_name
-from dflashkit.proposers import DraftView
 
-from draft_block import target_step  # noqa: E402  (bench/ is not a package)
+from draft_block import drafting_step, target_step  # noqa: E402  (bench/ is not a package)
 from step_ab import ab_parser, plot_ratios, step_label  # noqa: E402
 
 WIDTHS = [1, 2, 4, 8, 16]
@@ -71,17 +70,6 @@ class BeforeHead(RowLinear):
         return self.mod.plinear(x, *self.parts, 2, self.n_out, not out_fp32)
 
 
-def drafting_step(engine, block: int, ctx: int):
-    """(proposer, its drafting step at one row after a ctx-token prompt): `draft_block.step_ms` with its proposer."""
-    prop = engine.drafter_proposer(engine.resolve(engine.config.replace(block_size=block)))
-    batch = engine.new_batch(ctx + 64)
-    prompt = torch.randint(4, engine.target.vocab_size, (ctx,), generator=torch.Generator().manual_seed(1)).tolist()
-    batch.add([engine.sequence(0, prompt, max_new_tokens=8)])
-    view = DraftView(batch.anchor, batch.start, max(batch.starts), batch.seqs, batch.starts)
-    prop.propose(batch.dstate, view, scores=True)
-    return prop, (lambda: prop.propose(batch.dstate, view, scores=True))
-
-
 def main() -> int:
     from dflashkit.bench.report import write_result
 
@@ -98,7 +86,7 @@ def main() -> int:
         fns = {f"target_w{w}": target_step(target, args.context, w) for w in WIDTHS}
         props = {}
         for b in BLOCKS:
-            props[b], fns[f"draft_b{b}"] = drafting_step(eng, b, args.context)
+            props[b], fns[f"draft_b{b}"] = drafting_step(eng, b, 1, args.context)
         heads = {"after": (target.head, {b: p.head for b, p in props.items()})}
         heads["before"] = heads["after"] if args.aa else (
             BeforeHead(mod, target.head), {b: BeforeHead(mod, p.head) for b, p in props.items()})

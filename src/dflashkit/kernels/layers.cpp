@@ -74,10 +74,12 @@ inline void rotate_row(uint16_t* x, const uint16_t* cos, const uint16_t* sin, in
 struct Linear {
   torch::Tensor codes, d, m;
   int64_t kind, n_out, path;
-  torch::Tensor operator()(const torch::Tensor& x) const {  // x [M, K] bf16 -> [M, n_out] bf16
-    if (path == 1) return qlinear(x, codes, d, m, kind, n_out, true);
-    if (path == 2) return plinear(x, codes, d, m, kind, n_out, true);
-    return rowlinear(x, codes, d, m, kind, n_out, true);
+  // x [M, K] bf16 -> [M, n_out] bf16, or the fp32 sums before that rounding (bf16 = false: the caller rounds them
+  // as it reads them, `silu_mul`, `add_rows`)
+  torch::Tensor operator()(const torch::Tensor& x, bool bf16 = true) const {
+    if (path == 1) return qlinear(x, codes, d, m, kind, n_out, bf16);
+    if (path == 2) return plinear(x, codes, d, m, kind, n_out, bf16);
+    return rowlinear(x, codes, d, m, kind, n_out, bf16);
   }
 };
 
@@ -166,11 +168,9 @@ class Stack {
       torch::Tensor qkv = ly.qkv(h);  // [M, (nh + 2 kvh) hd]
       torch::Tensor q = torch::empty({B, Q, nh_, hd_}, x.options());
       heads(qkv, ly, cos, sin, q, kc, vc, slots, nh_, Q);
-      torch::Tensor a = ly.o(attend(q, kc, vc, head, tail, ly.scaling).view({M, nh_ * hd_}));
-      add_rows(x, a);
+      add_rows(x, ly.o(attend(q, kc, vc, head, tail, ly.scaling).view({M, nh_ * hd_}), false));
       norm_rows(x, ly.ln_post, h);
-      torch::Tensor gu = ly.gate_up(h);  // [M, 2 I]
-      add_rows(x, ly.down(silu_mul(gu)));
+      add_rows(x, ly.down(silu_mul(ly.gate_up(h, false)), false));  // gate_up: [M, 2 I] fp32
       for (size_t t = 0; t < taps.size(); ++t)
         if (taps[t] == i) copy_tap(x, feats, t);
     }
@@ -246,32 +246,39 @@ class Stack {
     });
   }
 
-  static void add_rows(torch::Tensor& x, const torch::Tensor& a) {  // x = bf16(x + a), as torch's bf16 add
+  // x = bf16(x + bf16(a)), as torch's bf16 add of the linear's bf16 output; a [M, H] fp32: the linear's sums, rounded
+  // here as `round_to_bf16` would (one pass over the rows instead of two).
+  static void add_rows(torch::Tensor& x, const torch::Tensor& a) {
     uint16_t* xp = bits_mut(x);
-    const uint16_t* ap = bits(a);
+    const float* ap = a.data_ptr<float>();
     at::parallel_for(0, x.numel() / 8, 1024, [&](int64_t s, int64_t e) {  // numel % 8 == 0 (H % 32 == 0)
-      for (int64_t k = 8 * s; k < 8 * e; k += 8)
-        store8x16(xp + k, bf16_round8(_mm256_add_ps(bf16x8(xp + k), bf16x8(ap + k))));
+      for (int64_t k = 8 * s; k < 8 * e; k += 8) {
+        const __m256 ab = widen8(bf16_round8(_mm256_loadu_ps(ap + k)));
+        store8x16(xp + k, bf16_round8(_mm256_add_ps(bf16x8(xp + k), ab)));
+      }
     });
   }
 
-  static torch::Tensor silu_mul(const torch::Tensor& gu) {  // [M, 2 I] -> bf16(bf16(silu(g)) * u) [M, I]
+  // gu [M, 2 I] fp32 (gate_up's sums) -> bf16(bf16(silu(g)) * u) [M, I] bf16, g and u first rounded to bf16 as
+  // `round_to_bf16` would: the same bits as rounding gate_up's output, then this on bf16 rows.
+  static torch::Tensor silu_mul(const torch::Tensor& gu) {
     const int64_t M = gu.size(0), I = gu.size(1) / 2, I8 = I / 8 * 8;
-    torch::Tensor y = torch::empty({M, I}, gu.options());
-    const uint16_t* gp = bits(gu);
+    torch::Tensor y = torch::empty({M, I}, gu.options().dtype(torch::kBFloat16));
+    const float* gp = gu.data_ptr<float>();
     const uint16_t* silu = silu_table().data();
     const int* table = reinterpret_cast<const int*>(silu);  // 32-bit reads: the entry and the next (one padding entry)
     uint16_t* yp = bits_mut(y);
     at::parallel_for(0, M, std::max<int64_t>(1, 8192 / I), [&](int64_t a, int64_t z) {
       for (int64_t r = a; r < z; ++r) {
-        const uint16_t *g = gp + r * 2 * I, *u = g + I;
+        const float *g = gp + r * 2 * I, *u = g + I;
         int64_t c = 0;
         for (; c < I8; c += 8) {  // the entries as fp32 bits: each read's low 16 bits moved to the top
-          const __m256i idx = _mm256_cvtepu16_epi32(load8x16(g + c));
+          const __m256i idx = _mm256_cvtepu16_epi32(bf16_round8(_mm256_loadu_ps(g + c)));
           const __m256i sg = _mm256_slli_epi32(_mm256_i32gather_epi32(table, idx, 2), 16);
-          store8x16(yp + r * I + c, bf16_round8(_mm256_mul_ps(_mm256_castsi256_ps(sg), bf16x8(u + c))));
+          const __m256 ub = widen8(bf16_round8(_mm256_loadu_ps(u + c)));
+          store8x16(yp + r * I + c, bf16_round8(_mm256_mul_ps(_mm256_castsi256_ps(sg), ub)));
         }
-        for (; c < I; ++c) yp[r * I + c] = bf16_round(widen(silu[g[c]]) * widen(u[c]));
+        for (; c < I; ++c) yp[r * I + c] = bf16_round(widen(silu[bf16_round(g[c])]) * widen(bf16_round(u[c])));
       }
     });
     return y;

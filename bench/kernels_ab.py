@@ -1,0 +1,136 @@
+"""The kernels (every C++ source) as built now vs as built at an earlier revision, A/B in real steps in one process.
+
+    .venv/bin/python bench/kernels_ab.py --before REV --out bench/results/NAME [--aa] [--rounds 150]
+
+For kernel changes that keep the Python side's layouts (what `_pack` and the stacks hand the kernels): the sources
+under src/dflashkit/kernels/ at REV are compiled here as a second module (its own name; the class `Stack` renamed
+so both modules' types can live in one interpreter), and the default engine (the default target, the bundled
+drafter) is loaded twice: arm "before" with REV's module in place of the kernels (`kernels.load()` returns it while
+that arm is built and while it runs), arm "after" with the current one. In each round every step runs on each arm
+back to back, the order alternating round by round: one-row target steps of 1-16 new tokens after a 176-token
+prompt (forward + LM head over every new token, as a verify computes it) and drafting steps at blocks 2, 4 and 16.
+Also each arm's 4-token verify over its one-token step (issue 34's ratio) and whether the two arms' logits have the
+same bits. --aa loads the current module in both arms (the A/A control: two engines, one module). Writes
+kernels_ab.json, .md and .png into --out.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dflashkit import DFlashEngine, kernels
+from dflashkit.loader import load_models
+from dflashkit.measurements import cpu_name
+
+from draft_block import step_ms, target_step  # noqa: E402  (bench/ is not a package)
+from step_ab import ab_parser, plot_ratios, step_label  # noqa: E402
+
+WIDTHS = [1, 2, 4, 8, 16]
+BLOCKS = [2, 4, 16]
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = "src/dflashkit/kernels"
+
+
+def build_before(rev: str, where: Path):
+    """Every kernel source at `rev`, compiled as the module "dflashkit_kernels_before"."""
+    from torch.utils.cpp_extension import load
+
+    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:{KERNELS}"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in names:
+        if name.endswith((".cpp", ".h")):
+            text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{KERNELS}/{name}"], check=True,
+                                  capture_output=True, text=True).stdout
+            (where / name).write_text(text)
+    (where / "build").mkdir()
+    # -DStack=...: pybind11 keys its types by the C++ type; both modules' `Stack` would otherwise collide
+    return load(name="dflashkit_kernels_before", sources=sorted(str(p) for p in where.glob("*.cpp")),
+                build_directory=str(where / "build"), extra_ldflags=["-fopenmp"],
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", "-DStack=StackBefore", f"-I{where}"])
+
+
+def arm(mod, ctx: int) -> tuple[dict, object]:
+    """One engine built while `kernels.load()` returns `mod`: its steps (each run once) and its target."""
+    kernels._state["mod"] = mod
+    target, tok, drafter, _ = load_models(dtype="bfloat16")
+    eng = DFlashEngine(target, drafter, tokenizer=tok)
+    fns = {f"target_w{w}": target_step(target, ctx, w) for w in WIDTHS}
+    fns.update({f"draft_b{b}": step_ms(eng, b, 1, ctx) for b in BLOCKS})
+    for fn in fns.values():
+        fn()
+    return fns, target
+
+
+def main() -> int:
+    from dflashkit.bench.report import write_result
+
+    ap = ab_parser(__doc__, "the current module in both arms (the A/A control)")
+    ap.add_argument("--before", required=True, help="the revision whose kernel sources are arm A")
+    args = ap.parse_args()
+    now = kernels.load()
+    if now is None:
+        raise SystemExit(f"the kernels are unavailable here: {kernels.why_unavailable()}")
+    with torch.inference_mode(), tempfile.TemporaryDirectory() as tmp:
+        mods = {"before": now if args.aa else build_before(args.before, Path(tmp)), "after": now}
+        built = {name: arm(mod, args.context) for name, mod in mods.items()}
+        fns = {name: b[0] for name, b in built.items()}
+        same = {}
+        for w in (1, 4):  # a fresh w-token step per arm on the same ids: the logits' bits
+            out = {}
+            for name, (_, target) in built.items():
+                kernels._state["mod"] = mods[name]
+                out[name] = target_step(target, args.context, w)()
+            same[f"w{w}"] = bool(torch.equal(out["before"], out["after"]))
+        runs: dict = {(name, k): [] for name in mods for k in fns["after"]}
+        try:
+            for i in range(args.rounds + 10):
+                for key in fns["after"]:
+                    for name in (("before", "after") if i % 2 else ("after", "before")):
+                        kernels._state["mod"] = mods[name]
+                        t0 = time.perf_counter()
+                        fns[name][key]()
+                        if i >= 10:  # warm-up rounds
+                            runs[name, key].append((time.perf_counter() - t0) * 1e3)
+        finally:
+            kernels._state["mod"] = now
+    ms = {key: {name: round(statistics.median(runs[name, key]), 3) for name in mods} for key in fns["after"]}
+    for v in ms.values():
+        v["ratio"] = round(v["after"] / v["before"], 3)
+    res = {"ms": ms, "same_logit_bits": same,
+           "verify4_over_step1": {name: round(ms["target_w4"][name] / ms["target_w1"][name], 3) for name in mods},
+           "meta": {"command": "bench/kernels_ab.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
+                    "cpu": cpu_name(), "threads": torch.get_num_threads(), "rounds": args.rounds, "aa": args.aa,
+                    "before": args.before, "context": args.context, "engine": built["after"][1].engine_name}}
+    write_result(args.out, "kernels_ab", res, report(res), plot)
+    print(report(res))
+    return 0
+
+
+def report(res: dict) -> str:
+    mt, v4 = res["meta"], res["verify4_over_step1"]
+    arms = "the current kernels in both arms (A/A control)" if mt["aa"] else f"the kernels at {mt['before']} vs now"
+    same = ", ".join(f"{k[1:]}-token step {'yes' if v else 'NO'}" for k, v in res["same_logit_bits"].items())
+    lines = [f"# Kernels before / after in real steps ({mt['date']}, {mt['cpu']}, {mt['threads']} threads)", "",
+             f"`{mt['command']}`: {arms}; medians of {mt['rounds']} rounds, the arms back to back step by step, 1 row, "
+             f"{mt['context']}-token context; target {mt['engine']}.", "",
+             "| step | before, ms | after, ms | ratio |", "|---|---|---|---|"]
+    for key, v in res["ms"].items():
+        lines.append(f"| {step_label(key)} | {v['before']:.2f} | {v['after']:.2f} | {v['ratio']:.3f} |")
+    lines += ["", f"4-token verify / one-token step: before {v4['before']:.3f}x, after {v4['after']:.3f}x.", "",
+              f"The same logit bits in both arms: {same}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict):
+    return plot_ratios(res["ms"], "after / before kernels (step time)", (0.7, 1.1))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
