@@ -16,7 +16,6 @@ lie apart. --aa runs "after" in both arms (the A/A control). Writes head_ab.json
 
 from __future__ import annotations
 
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,10 +30,8 @@ from dflashkit.loader import load_models
 from dflashkit.measurements import cpu_name
 
 from draft_block import drafting_step, target_step  # noqa: E402  (bench/ is not a package)
-from step_ab import ab_parser, plot_ratios, step_label  # noqa: E402
+from step_ab import BLOCKS, WIDTHS, ab_medians, ab_parser, ab_table, plot_ratios  # noqa: E402
 
-WIDTHS = [1, 2, 4, 8, 16]
-BLOCKS = [2, 4, 16]
 ROOT = Path(__file__).resolve().parents[1]
 WRAP = """#include <torch/extension.h>
 #include "ops.h"
@@ -97,23 +94,17 @@ def main() -> int:
                "argmax_equal_rows": int((ya.argmax(-1) == yb.argmax(-1)).sum()), "rows": 16,
                "max_abs_err_vs_float64": {"after": float((ya.double() - exact).abs().max()),
                                           "before": float((yb.double() - exact).abs().max())}}
-        runs: dict = {(arm, k): [] for arm in heads for k in fns}
+
+        def prepare(arm: str, key: str):
+            target.head = heads[arm][0]
+            for b, p in props.items():
+                p.head = heads[arm][1][b]
+            return fns[key]
+
         try:
-            for i in range(args.rounds + 10):
-                for key, fn in fns.items():
-                    for arm in (("before", "after") if i % 2 else ("after", "before")):
-                        target.head = heads[arm][0]
-                        for b, p in props.items():
-                            p.head = heads[arm][1][b]
-                        t0 = time.perf_counter()
-                        fn()
-                        if i >= 10:  # warm-up rounds
-                            runs[arm, key].append((time.perf_counter() - t0) * 1e3)
+            ms = ab_medians(list(fns), args.rounds, prepare)
         finally:
             target.head = heads["after"][0]
-    ms = {key: {arm: round(statistics.median(runs[arm, key]), 3) for arm in heads} for key in fns}
-    for v in ms.values():
-        v["ratio"] = round(v["after"] / v["before"], 3)
     res = {"ms": ms, "logits": gap,
            "verify4_over_step1": {arm: round(ms["target_w4"][arm] / ms["target_w1"][arm], 3) for arm in heads},
            "meta": {"command": "bench/head_ab.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
@@ -125,17 +116,11 @@ def main() -> int:
 
 
 def report(res: dict) -> str:
-    mt, v4, g = res["meta"], res["verify4_over_step1"], res["logits"]
+    mt, g = res["meta"], res["logits"]
     arms = '"after" in both arms (A/A control)' if mt["aa"] else f"the head's kernel at {mt['before']} vs now"
-    lines = [f"# The LM head's Q8_0 kernel in real steps ({mt['date']}, {mt['cpu']}, {mt['threads']} threads)", "",
-             f"`{mt['command']}`: {arms}; medians of {mt['rounds']} rounds, the arms back to back step by step, 1 row, "
-             f"{mt['context']}-token context; target {mt['engine']}.", "",
-             "| step | before, ms | after, ms | ratio |", "|---|---|---|---|"]
-    for key, v in res["ms"].items():
-        lines.append(f"| {step_label(key)} | {v['before']:.2f} | {v['after']:.2f} | {v['ratio']:.3f} |")
+    lines = ab_table("The LM head's Q8_0 kernel in real steps", mt, arms, res["ms"])
     err = g["max_abs_err_vs_float64"]
-    lines += ["", f"4-token verify / one-token step: before {v4['before']:.3f}x, after {v4['after']:.3f}x.", "",
-              f"The two heads' logits on {g['rows']} random rows: max |after - before| / max |after| "
+    lines += ["", f"The two heads' logits on {g['rows']} random rows: max |after - before| / max |after| "
               f"{g['max_abs_diff_over_max_abs']:.2e}, the same argmax on {g['argmax_equal_rows']} rows; max |error| "
               f"against the codes' product in float64: before {err['before']:.2e}, after {err['after']:.2e}."]
     return "\n".join(lines) + "\n"

@@ -20,16 +20,10 @@ import time
 
 import torch
 
-from dflashkit import DFlashEngine
 from dflashkit.kernels import hugepages
-from dflashkit.loader import load_models
 from dflashkit.measurements import cpu_name
 
-from draft_block import step_ms, target_step  # noqa: E402  (bench/ is not a package)
-from step_ab import ab_parser, plot_ratios, step_label  # noqa: E402
-
-WIDTHS = [1, 2, 4, 8, 16]
-BLOCKS = [2, 4, 16]
+from step_ab import ab_parser, engine_steps, plot_ratios, step_label  # noqa: E402  (bench/ is not a package)
 
 
 def arm_steps(on: bool, ctx: int) -> tuple[dict, str]:
@@ -37,12 +31,7 @@ def arm_steps(on: bool, ctx: int) -> tuple[dict, str]:
     under this arm's setting); and the target's engine name."""
     hugepages._state.clear()
     hugepages._state["on"] = on
-    target, tok, drafter, _ = load_models(dtype="bfloat16")
-    eng = DFlashEngine(target, drafter, tokenizer=tok)
-    fns = {f"target_w{w}": target_step(target, ctx, w) for w in WIDTHS}
-    fns.update({f"draft_b{b}": step_ms(eng, b, 1, ctx) for b in BLOCKS})
-    for fn in fns.values():
-        fn()
+    fns, target = engine_steps(ctx)
     return fns, target.engine_name
 
 

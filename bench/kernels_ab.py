@@ -16,7 +16,6 @@ kernels_ab.json, .md and .png into --out.
 
 from __future__ import annotations
 
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,15 +24,12 @@ from pathlib import Path
 
 import torch
 
-from dflashkit import DFlashEngine, kernels
-from dflashkit.loader import load_models
+from dflashkit import kernels
 from dflashkit.measurements import cpu_name
 
-from draft_block import step_ms, target_step  # noqa: E402  (bench/ is not a package)
-from step_ab import ab_parser, plot_ratios, step_label  # noqa: E402
+from draft_block import target_step  # noqa: E402  (bench/ is not a package)
+from step_ab import ab_medians, ab_parser, ab_table, engine_steps, plot_ratios  # noqa: E402
 
-WIDTHS = [1, 2, 4, 8, 16]
-BLOCKS = [2, 4, 16]
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = "src/dflashkit/kernels"
 
@@ -59,13 +55,7 @@ def build_before(rev: str, where: Path):
 def arm(mod, ctx: int) -> tuple[dict, object]:
     """One engine built while `kernels.load()` returns `mod`: its steps (each run once) and its target."""
     kernels._state["mod"] = mod
-    target, tok, drafter, _ = load_models(dtype="bfloat16")
-    eng = DFlashEngine(target, drafter, tokenizer=tok)
-    fns = {f"target_w{w}": target_step(target, ctx, w) for w in WIDTHS}
-    fns.update({f"draft_b{b}": step_ms(eng, b, 1, ctx) for b in BLOCKS})
-    for fn in fns.values():
-        fn()
-    return fns, target
+    return engine_steps(ctx)
 
 
 def main() -> int:
@@ -88,21 +78,15 @@ def main() -> int:
                 kernels._state["mod"] = mods[name]
                 out[name] = target_step(target, args.context, w)()
             same[f"w{w}"] = bool(torch.equal(out["before"], out["after"]))
-        runs: dict = {(name, k): [] for name in mods for k in fns["after"]}
+
+        def prepare(name: str, key: str):
+            kernels._state["mod"] = mods[name]
+            return fns[name][key]
+
         try:
-            for i in range(args.rounds + 10):
-                for key in fns["after"]:
-                    for name in (("before", "after") if i % 2 else ("after", "before")):
-                        kernels._state["mod"] = mods[name]
-                        t0 = time.perf_counter()
-                        fns[name][key]()
-                        if i >= 10:  # warm-up rounds
-                            runs[name, key].append((time.perf_counter() - t0) * 1e3)
+            ms = ab_medians(list(fns["after"]), args.rounds, prepare)
         finally:
             kernels._state["mod"] = now
-    ms = {key: {name: round(statistics.median(runs[name, key]), 3) for name in mods} for key in fns["after"]}
-    for v in ms.values():
-        v["ratio"] = round(v["after"] / v["before"], 3)
     res = {"ms": ms, "same_logit_bits": same,
            "verify4_over_step1": {name: round(ms["target_w4"][name] / ms["target_w1"][name], 3) for name in mods},
            "meta": {"command": "bench/kernels_ab.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
@@ -114,17 +98,11 @@ def main() -> int:
 
 
 def report(res: dict) -> str:
-    mt, v4 = res["meta"], res["verify4_over_step1"]
+    mt = res["meta"]
     arms = "the current kernels in both arms (A/A control)" if mt["aa"] else f"the kernels at {mt['before']} vs now"
     same = ", ".join(f"{k[1:]}-token step {'yes' if v else 'NO'}" for k, v in res["same_logit_bits"].items())
-    lines = [f"# Kernels before / after in real steps ({mt['date']}, {mt['cpu']}, {mt['threads']} threads)", "",
-             f"`{mt['command']}`: {arms}; medians of {mt['rounds']} rounds, the arms back to back step by step, 1 row, "
-             f"{mt['context']}-token context; target {mt['engine']}.", "",
-             "| step | before, ms | after, ms | ratio |", "|---|---|---|---|"]
-    for key, v in res["ms"].items():
-        lines.append(f"| {step_label(key)} | {v['before']:.2f} | {v['after']:.2f} | {v['ratio']:.3f} |")
-    lines += ["", f"4-token verify / one-token step: before {v4['before']:.3f}x, after {v4['after']:.3f}x.", "",
-              f"The same logit bits in both arms: {same}."]
+    lines = ab_table("Kernels before / after in real steps", mt, arms, res["ms"])
+    lines += ["", f"The same logit bits in both arms: {same}."]
     return "\n".join(lines) + "\n"
 
 
