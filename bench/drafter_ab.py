@@ -74,7 +74,8 @@ def measure(engines: dict, prompts: list[list[int]], n: int, max_new: int, min_c
 
 def report(meta: dict, res: dict, out: Path) -> None:
     md = [f"# Two drafters, one target: the default system (`{meta['command']}`)", "",
-          f"A = `{meta['drafter_a']}`, B = `{meta['drafter_b']}`; dataset {meta['dataset']}, {meta['max_new_tokens']} "
+          f"A = `{meta['drafter_a']}`, B = `{meta['drafter_b']}` (the lookup's corpus: "
+          f"{meta.get('corpus_b', 'its own')}); dataset {meta['dataset']}, {meta['max_new_tokens']} "
           f"new tokens, greedy, {meta['dtype']}, {meta['threads']} threads. Lockstep per chunk: AR, AR again, the "
           "default (adaptive policy) with A, with B. tokens/s = decode throughput.", "",
           "| batch | prompts | AR tok/s | default A tok/s (tau) | default B tok/s (tau) | B / A (median chunk) "
@@ -124,7 +125,10 @@ def main() -> int:
     source_b = args.drafter_b or args.drafter_a  # only --weights-b: A's drafter again, its own layer stack
     drafter_b = (load_drafter(source_b, dtype=target.dtype) if source_b else load_default_drafter(target, tok)[0])
     a = DFlashEngine(target, drafter_a, tokenizer=tok)
-    b = DFlashEngine(target, drafter_b, tokenizer=tok)
+    # The corpus (the target's earlier answers, for the lookup) ships in a drafter's directory; a drafter without
+    # one gets A's: it belongs to the target, and B's default system would otherwise differ by its lookup as well.
+    corpus_b = "its own" if getattr(drafter_b, "corpus", None) is not None else ("A's" if a.corpus else "none")
+    b = DFlashEngine(target, drafter_b, tokenizer=tok, corpus=None if corpus_b == "its own" else a.corpus)
     for eng, weights in ((a, args.weights_a), (b, args.weights_b)):
         if weights is not None:  # the drafter's layers on these copies; the engine's proposers rebuilt for them
             eng.drafter.stack = layer_stack(eng.drafter, weights)
@@ -143,6 +147,7 @@ def main() -> int:
     meta = {"command": " ".join(["bench/drafter_ab.py"] + sys.argv[1:]),
             "drafter_a": (args.drafter_a or "bundled") + (f" ({args.weights_a} layers)" if args.weights_a else ""),
             "drafter_b": (source_b or "bundled") + (f" ({args.weights_b} layers)" if args.weights_b else ""),
+            "corpus_b": corpus_b,
             "dataset": args.dataset,
             "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "threads": torch.get_num_threads(),
             "policy": {"a": a.policy_stats(), "b": b.policy_stats()}}

@@ -440,3 +440,19 @@ def test_cli_bench_and_export_run_end_to_end(tmp_path, capsys):
         "d2t": [4096], "output.weight": [576, 4096]}
     assert main(["export", "--format", "zlab", "--draft-vocab", "8", "--out", str(tmp_path / "x")]) == 2
     assert "gguf only" in capsys.readouterr().err
+
+
+def test_a_drafter_without_a_corpus_for_the_default_target_gets_the_bundled_one(tmp_path):
+    """The lookup's corpus is the default target's earlier answers, shipped beside the bundled drafter: a drafter
+    directory without one (a user's own drafter for the default target) gets it; the same answers, not a copy."""
+    from dflashkit.checkpoint import CORPUS
+    from dflashkit.loader import load_models
+
+    for f in BUNDLED_DRAFTER.iterdir():
+        if f.name != CORPUS:
+            (tmp_path / f.name).symlink_to(f)
+    _, _, drafter, _ = load_models(drafter=str(tmp_path), dtype="float32", check=False)
+    own = load_default_drafter(*load_target(dtype="float32", check=False))[0].corpus
+    assert drafter.corpus is not None and own is not None
+    assert drafter.corpus.size == own.size > 0
+    assert torch.equal(torch.as_tensor(drafter.corpus.padded), torch.as_tensor(own.padded))

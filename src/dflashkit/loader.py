@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import atomic_write, load_drafter
+from .checkpoint import CORPUS, atomic_write, load_drafter
 from .config import DFlashConfig
 from .drafter import DFlashDrafter
 from .errors import DFlashError
@@ -321,8 +321,15 @@ def load_models(target: str | None = None, drafter: str | None = None, dtype: st
     tgt, tok = load_target(target, dtype=dtype, device=device, backend=backend, check=check, kernel=kernel,
                            quant=quant)
     if drafter:
-        return tgt, tok, load_drafter(drafter, dtype=parse_dtype(dtype), device=device,
-                                      num_target_layers=tgt.num_layers), True
+        d = load_drafter(drafter, dtype=parse_dtype(dtype), device=device, num_target_layers=tgt.num_layers)
+        if target is None and getattr(d, "corpus", None) is None and (BUNDLED_DRAFTER / CORPUS).is_file():
+            # The corpus is the default target's earlier answers: it serves any drafter of that target (without
+            # it, a drafter trained by a user for the default target would lose the lookup's copies from it).
+            from .corpus import Corpus
+
+            d.corpus = Corpus.load(BUNDLED_DRAFTER / CORPUS)
+            log.info("the drafter in %s has no %s: using the default target's bundled one", drafter, CORPUS)
+        return tgt, tok, d, True
     if target is None:
         return (tgt, tok, *load_default_drafter(tgt, tok))
     return tgt, tok, None, False
