@@ -13,22 +13,15 @@ and .png into --out.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
 import torch
 
-from dflashkit import DFlashEngine
 from dflashkit.kernels import set_attention_layout
-from dflashkit.loader import load_models
 from dflashkit.measurements import cpu_name
 
-from draft_block import step_ms, target_step  # noqa: E402  (bench/ is not a package)
-from step_ab import ab_parser, plot_ratios, step_label  # noqa: E402
-
-WIDTHS = [1, 2, 4, 8, 16]
-BLOCKS = [2, 4, 16]
+from step_ab import ab_medians, ab_parser, engine_steps, plot_ratios, step_label  # noqa: E402  (not a package)
 
 
 def main() -> int:
@@ -37,26 +30,17 @@ def main() -> int:
     ap = ab_parser(__doc__, '"auto" in both arms (the A/A control)')
     args = ap.parse_args()
     arms = {"split": "auto" if args.aa else "split", "grouped": "auto"}
+    fns, target = engine_steps(args.context)
+
+    def prepare(arm: str, key: str):
+        set_attention_layout(arms[arm])
+        return fns[key]
+
     with torch.inference_mode():
-        target, tok, drafter, _ = load_models(dtype="bfloat16")
-        eng = DFlashEngine(target, drafter, tokenizer=tok)
-        fns = {f"target_w{w}": target_step(target, args.context, w) for w in WIDTHS}
-        fns.update({f"draft_b{b}": step_ms(eng, b, 1, args.context) for b in BLOCKS})
-        runs: dict = {(arm, k): [] for arm in arms for k in fns}
         try:
-            for i in range(args.rounds + 10):
-                for key, fn in fns.items():
-                    for arm in (("split", "grouped") if i % 2 else ("grouped", "split")):
-                        set_attention_layout(arms[arm])
-                        t0 = time.perf_counter()
-                        fn()
-                        if i >= 10:  # warm-up rounds
-                            runs[arm, key].append((time.perf_counter() - t0) * 1e3)
+            ms = ab_medians(list(fns), args.rounds, prepare, arms=("split", "grouped"))
         finally:
             set_attention_layout("auto")
-    ms = {key: {arm: round(statistics.median(runs[arm, key]), 3) for arm in arms} for key in fns}
-    for v in ms.values():
-        v["ratio"] = round(v["grouped"] / v["split"], 3)
     res = {"ms": ms,
            "verify4_over_step1": {arm: round(ms["target_w4"][arm] / ms["target_w1"][arm], 3) for arm in arms},
            "meta": {"command": "bench/attention_ab.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),

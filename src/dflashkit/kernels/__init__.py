@@ -372,12 +372,11 @@ def _pack(w: RowLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = q.view(groups, 16, nb, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # [g, b, p, h, r, e]
         codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).contiguous().view(-1)
         return codes, per_row(w.scale), per_row(w.minimum)
-    if w.kind == "q8_0" and w.exact_codes:  # plinear.cpp: pair i of a block, byte 2 r + h = q[r][2 i + h]
-        q = rows(w.codes.view(n, nb, 32))  # int8
-        codes = q.view(groups, 16, nb, 16, 2).permute(0, 2, 3, 1, 4).contiguous().view(-1).view(torch.uint8)
-        return codes, per_row(w.scale), torch.zeros(0, dtype=torch.int32)  # no correction term there
     if w.kind == "q8_0":
         q = rows(w.codes.view(n, nb, 32))  # int8
+        if w.exact_codes:  # plinear.cpp: pair i of a block, byte 2 r + h = q[r][2 i + h]; no correction term there
+            codes = q.view(groups, 16, nb, 16, 2).permute(0, 2, 3, 1, 4).contiguous().view(-1).view(torch.uint8)
+            return codes, per_row(w.scale), torch.zeros(0, dtype=torch.int32)
         codes = q.view(groups, 16, nb, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(-1).view(torch.uint8)
         corr = (128 * w.codes.view(n, nb, 32).to(torch.int32).sum(-1)).to(torch.int32)
         return codes, per_row(w.scale), per_row(corr)

@@ -34,7 +34,6 @@ using dflashkit::hsum8;
 using dflashkit::widen;
 using dflashkit::bf16_round8;
 using dflashkit::widen8;
-using dflashkit::load8x16;
 using dflashkit::store8x16;
 
 inline const uint16_t* bits(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }

@@ -50,9 +50,9 @@ using dflashkit::round_to_bf16;
 using dflashkit::widen;
 
 constexpr int64_t GROUP = 16;  // weight rows per packed group
-// The activations' pair order (`pairs`): pair 4 p + s of a block holds elements 8 p + PAIR[kind][s] (Q4_1: chunk p,
-// nibble position s; Q8_0: element order, pair i = elements 2 i, 2 i + 1).
-constexpr int PAIR[3][4][2] = {{}, {{0, 2}, {4, 6}, {1, 3}, {5, 7}}, {{0, 1}, {2, 3}, {4, 5}, {6, 7}}};
+// Q4_1's activation pair order (`pairs`): pair 4 p + s of a block holds elements 8 p + PAIR[s] (chunk p, nibble
+// position s). Q8_0's pairs are in element order (pair i = elements 2 i, 2 i + 1): the row as it is.
+constexpr int PAIR[4][2] = {{0, 2}, {4, 6}, {1, 3}, {5, 7}};
 
 #define DFK_PBF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
@@ -100,7 +100,7 @@ constexpr int64_t AHEAD = KIND == 1 ? 16 : 8;  // blocks: 4 KB of each stream
 // MR tokens (t0 ..) x R groups (g0 ..): out lanes = rows. KIND 1 (Q4_1): one chain S per block over its 16 pairs.
 // KIND 2 (Q8_0, codes q in -128..127): one chain S = sum q x per block over its 16 pairs, then acc = fma(S, d, acc).
 // A code enters as the bf16 value q itself (at most 8 significant bits: exact), made by sign-extending the byte,
-// converting to fp32 and narrowing two vectors to bf16 (`q8_pairs`): ~10 instructions per 64 codes, one `dpbf16ps`
+// converting to fp32 and narrowing two vectors to bf16 (`q8_pair`): ~10 instructions per 64 codes, one `dpbf16ps`
 // per pair and token. Why not two chains of 128 + a nibble, as Q4_1's one: each code would then cost two products
 // a token, which at 4+ tokens is what the head's time is (measured on an AMD EPYC: the head at 4 tokens ~1.6 ms of a
 // ~9.6 ms step, compute-bound; the narrowing costs less than the second chain's products from 2 tokens on, and at
@@ -179,17 +179,17 @@ DFK_PBF16 void pbf16_range(const Codes& W, int64_t g0, int64_t g1, const Acts& X
   }
 }
 
-// The activations as the tiles read them, for n 32-element blocks (x [M, K] is M * K / 32 blocks in a row): each
+// Q4_1's activations as the tiles read them, for n 32-element blocks (x [M, K] is M * K / 32 blocks in a row): each
 // block's words permuted into the pair order (`PAIR`; pair i = words 2 i, 2 i + 1) and X_b, its 32 elements summed
 // in element order from 0.0f: ((0 + x_0) + x_1) + ... + x_31. 16 blocks at a time, a lane per block (the same
 // sequence of fp32 adds in every lane, so the same bits as the scalar loop for the blocks left over). Serial work on
 // the calling thread before the tiles run (the other thread waits); as a scalar loop it cost a down projection ~4 us
 // at 4 tokens (the adds' latency chain), ~1.3 ms of a 16-token step.
-DFK_PBF16 void lay_out(const uint16_t* x, int64_t n, int64_t kind, uint32_t* pairs, float* sums) {
+DFK_PBF16 void lay_out(const uint16_t* x, int64_t n, uint32_t* pairs, float* sums) {
   alignas(64) uint16_t order[32];
   for (int p = 0; p < 4; ++p)
     for (int s = 0; s < 4; ++s)
-      order[2 * (4 * p + s)] = 8 * p + PAIR[kind][s][0], order[2 * (4 * p + s) + 1] = 8 * p + PAIR[kind][s][1];
+      order[2 * (4 * p + s)] = 8 * p + PAIR[s][0], order[2 * (4 * p + s) + 1] = 8 * p + PAIR[s][1];
   const __m512i perm = _mm512_load_si512(order);
   for (int64_t f = 0; f < n; ++f)
     _mm512_storeu_si512(pairs + 16 * f, _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(x + 32 * f)));
@@ -234,7 +234,7 @@ torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
   // pairs are in element order: the row itself, read as 32-bit words.
   std::vector<uint32_t> pairs(kind == 1 ? M * nb * 16 : 0);
   std::vector<float> sums(kind == 1 ? M * nb : 0);
-  if (kind == 1) lay_out(xp, M * nb, kind, pairs.data(), sums.data());
+  if (kind == 1) lay_out(xp, M * nb, pairs.data(), sums.data());
   torch::Tensor yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   float* yp = yf.data_ptr<float>();
   const Codes W{static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(),
