@@ -366,24 +366,61 @@ def test_fused_attention_computes_the_same_model(arch):
 STACKED_ARCHS = ["llama", "qwen3"]  # Llama-style layers: what the layer stack (kernels/layers.cpp) implements
 
 
-def _stacked(arch: str, int4_a8: bool = False):
+def _to_int4(t) -> None:
+    """A tiny lean target's linears as Q4_1 codes (head Q8_0) on bf16 activations, as `--quant int4` runs a GGUF's
+    codes on an AVX512-BF16 CPU (plinear.cpp); skips where this CPU has no such path."""
+    t.use_rowlinear()
+    q = (lambda kind, lin: _ggml(kind, lin.dequantize())[0].with_exact_codes())
+    for layer in t._layers:
+        for name in ("wqkv", "wgu", "wo", "wdown"):
+            setattr(layer, name, q("q4_1", getattr(layer, name)))
+    t.head = q("q8_0", t.head)
+    t.kernel = "int4"
+    if t.head.path != "plinear":
+        pytest.skip("no AVX512-BF16 here: --quant int4 runs rowlinear's fp32 products")
+
+
+def _stacked(arch: str, codes: str = "bf16"):
     t = make_target(arch, torch.bfloat16, backend="lean")
-    _to_int4_a8(t) if int4_a8 else t.use_rowlinear()
+    {"bf16": lambda: t.use_rowlinear(), "int4-a8": lambda: _to_int4_a8(t), "int4": lambda: _to_int4(t)}[codes]()
     t.use_fused_attention()
     t.use_layer_stack()
     return t
 
 
 @pytest.mark.parametrize("arch", STACKED_ARCHS)
-@pytest.mark.parametrize("int4_a8", [False, True])
+@pytest.mark.parametrize("codes", ["bf16", "int4-a8", "int4"])
 @pytest.mark.parametrize("n,prompt,seed", [(8, 29, 1), (16, 40, 2)])
-def test_layer_stack_is_bitwise_batch_invariant(arch, int4_a8, n, prompt, seed, isa):
+def test_layer_stack_is_bitwise_batch_invariant(arch, codes, n, prompt, seed, isa):
     """All layers in one C++ call: a token's logits have the same bits alone, in a block, in a tree, in a ragged
-    batch, with bf16 (on each of rowlinear's paths) and with 4-bit codes on 8-bit activations."""
-    t = _stacked(arch, int4_a8)
-    assert t.engine_name.endswith("+attend+layers") and (int4_a8 or f"rowlinear.{isa}" in t.engine_name)
+    batch, with bf16 (on each of rowlinear's paths), with 4-bit codes on 8-bit activations and on bf16 ones (the
+    team forward: one OpenMP team per layer)."""
+    t = _stacked(arch, codes)
+    assert t.engine_name.endswith("+attend+layers") and (codes != "bf16" or f"rowlinear.{isa}" in t.engine_name)
     inv = measure(t, n=n, prompt=prompt, seed=seed)
     assert inv.exact and inv.max_diff == 0.0, inv
+
+
+@pytest.mark.parametrize("arch", STACKED_ARCHS)
+@pytest.mark.parametrize("rows,width", [(1, 1), (1, 4), (1, 7), (3, 1), (2, 5)])
+def test_the_team_forward_gives_the_per_step_loops_bits(arch, rows, width):
+    """Where every linear is plinear's, the stack runs each layer (but the attention) as one OpenMP team sharing the
+    glue (layers.cpp `forward_team`); the per-step loop is the reference: the same logits, taps and cache, bit for
+    bit, on the prompt's prefill and on the step after it."""
+    t = _stacked(arch, "int4")
+    t.tap_ids = [1, 4]
+    ids = torch.randint(4, 90, (rows, 30 + width), generator=torch.Generator().manual_seed(rows * 10 + width))
+    runs = []
+    for team in (False, True):
+        t.stack.set_team(team)
+        assert t.stack.on_team() == team
+        cache = t.new_cache(rows, 40)
+        out = list(t.forward(ids[:, :30], torch.arange(30).expand(rows, 30), cache, kv_len=30))
+        out += t.forward(ids[:, 30:], torch.arange(30, 30 + width).expand(rows, width), cache, kv_len=30 + width)
+        runs.append([t.logits(out[0]), t.logits(out[2]), out[1], out[3], *cache.keys, *cache.values])
+    t.stack.set_team(True)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("arch", STACKED_ARCHS)

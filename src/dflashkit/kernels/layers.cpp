@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -73,6 +75,7 @@ inline void rotate_row(uint16_t* x, const uint16_t* cos, const uint16_t* sin, in
 struct Linear {
   torch::Tensor codes, d, m;
   int64_t kind, n_out, path;
+  PlinearWeights pw{};  // plinear's view of the same tensors (path 2; `make_linear`): the team forward's tiles
   // x [M, K] bf16 -> [M, n_out] bf16, or the fp32 sums before that rounding (bf16 = false: the caller rounds them
   // as it reads them, `silu_mul`, `add_rows`)
   torch::Tensor operator()(const torch::Tensor& x, bool bf16 = true) const {
@@ -81,6 +84,16 @@ struct Linear {
     return rowlinear(x, codes, d, m, kind, n_out, bf16);
   }
 };
+
+Linear make_linear(torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind, int64_t n_out, int64_t path) {
+  Linear l{codes, d, m, kind, n_out, path};
+  if (path == 2 && (kind == 1 || kind == 2)) {  // K from the packed size: groups x blocks x 256 / 512 bytes
+    const int64_t bytes = codes.numel() * codes.element_size(), per = plinear_group_count(n_out) * (kind == 1 ? 256 : 512);
+    l.pw = {static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(),
+            kind == 1 ? m.data_ptr<float>() : nullptr, kind, bytes / per * 32, n_out};
+  }
+  return l;
+}
 
 // bf16(silu(g)) for a bf16 g given by its bits.
 uint16_t silu_bits(uint16_t gb) {
@@ -104,6 +117,29 @@ const std::vector<uint16_t>& silu_table() {
 torch::Tensor silu_table_tensor() {
   const auto& t = silu_table();
   return torch::from_blob(const_cast<uint16_t*>(t.data()), {65536}, torch::kInt16).clone();
+}
+
+// x = bf16(x + bf16(a)) over n elements (n % 8 == 0), as torch's bf16 add of a linear's bf16 output; a: the linear's
+// fp32 sums, rounded here as `round_to_bf16` would.
+inline void add_span(uint16_t* x, const float* a, int64_t n) {
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m256 ab = widen8(bf16_round8(_mm256_loadu_ps(a + k)));
+    store8x16(x + k, bf16_round8(_mm256_add_ps(bf16x8(x + k), ab)));
+  }
+}
+
+// y = bf16(bf16(silu(g)) * u) over n elements, g and u fp32 sums first rounded to bf16 as `round_to_bf16` would.
+inline void silu_span(const float* g, const float* u, int64_t n, uint16_t* y) {
+  const uint16_t* silu = silu_table().data();
+  const int* table = reinterpret_cast<const int*>(silu);  // 32-bit reads: the entry and the next (one padding entry)
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {  // the entries as fp32 bits: each read's low 16 bits moved to the top
+    const __m256i idx = _mm256_cvtepu16_epi32(bf16_round8(_mm256_loadu_ps(g + c)));
+    const __m256i sg = _mm256_slli_epi32(_mm256_i32gather_epi32(table, idx, 2), 16);
+    const __m256 ub = widen8(bf16_round8(_mm256_loadu_ps(u + c)));
+    store8x16(y + c, bf16_round8(_mm256_mul_ps(_mm256_castsi256_ps(sg), ub)));
+  }
+  for (; c < n; ++c) y[c] = bf16_round(widen(silu[bf16_round(g[c])]) * widen(bf16_round(u[c])));
 }
 
 struct Layer {
@@ -144,6 +180,14 @@ class Stack {
     final_norm_ = w;
   }
 
+  // false: `forward` runs its per-step loop even where the team forward could (tests compare the two, A/B
+  // benchmarks); returns the setting before. Both give the same bits.
+  bool set_team(bool on) {
+    const bool was = team_;
+    team_ = on;
+    return was;
+  }
+
   // x [B, Q, H] bf16 (embedded); cos / sin [B, Q, hd] bf16 (each token's rotary row); keys / values: the cache
   // layers [B, kvh, T, hd] / [B, kvh, T, hd + 1] (written at `slots` [B, Q] int64; the value's last column is 1.0,
   // see backends/lean.py); head [B, Q, S] bool, tail [B, Q, L] int64: `attend`'s key lists; taps: layer indices
@@ -159,6 +203,12 @@ class Stack {
     x = x.reshape({M, H}).contiguous().clone();
     torch::Tensor feats = torch::empty({M, static_cast<int64_t>(taps.size()) * H}, x.options());
     torch::Tensor h = torch::empty({M, H}, x.options());
+    TORCH_CHECK(!final_norm_.defined() || final_norm_.numel() == H,
+                "Stack.forward: the final norm's weight must have H elements");
+    if (on_team() && H == layers_[0].ln_in.numel()) {
+      forward_team(x, h, feats, cos, sin, keys, values, slots, head, tail, taps, B, Q);
+      return {(final_norm_.defined() ? h : x).view({B, Q, H}), feats.view({B, Q, -1})};
+    }
     for (int64_t i = 0; i < nl; ++i) {
       const Layer& ly = layers_[i];
       const torch::Tensor& kc = keys[i];
@@ -174,7 +224,6 @@ class Stack {
         if (taps[t] == i) copy_tap(x, feats, t);
     }
     if (final_norm_.defined()) {
-      TORCH_CHECK(final_norm_.numel() == H, "Stack.forward: the final norm's weight must have H elements");
       norm_rows(x, final_norm_, h);
       x = h;
     }
@@ -251,78 +300,230 @@ class Stack {
     uint16_t* xp = bits_mut(x);
     const float* ap = a.data_ptr<float>();
     at::parallel_for(0, x.numel() / 8, 1024, [&](int64_t s, int64_t e) {  // numel % 8 == 0 (H % 32 == 0)
-      for (int64_t k = 8 * s; k < 8 * e; k += 8) {
-        const __m256 ab = widen8(bf16_round8(_mm256_loadu_ps(ap + k)));
-        store8x16(xp + k, bf16_round8(_mm256_add_ps(bf16x8(xp + k), ab)));
-      }
+      add_span(xp + 8 * s, ap + 8 * s, 8 * (e - s));
     });
   }
 
   // gu [M, 2 I] fp32 (gate_up's sums) -> bf16(bf16(silu(g)) * u) [M, I] bf16, g and u first rounded to bf16 as
   // `round_to_bf16` would: the same bits as rounding gate_up's output, then this on bf16 rows.
   static torch::Tensor silu_mul(const torch::Tensor& gu) {
-    const int64_t M = gu.size(0), I = gu.size(1) / 2, I8 = I / 8 * 8;
+    const int64_t M = gu.size(0), I = gu.size(1) / 2;
     torch::Tensor y = torch::empty({M, I}, gu.options().dtype(torch::kBFloat16));
     const float* gp = gu.data_ptr<float>();
-    const uint16_t* silu = silu_table().data();
-    const int* table = reinterpret_cast<const int*>(silu);  // 32-bit reads: the entry and the next (one padding entry)
     uint16_t* yp = bits_mut(y);
     at::parallel_for(0, M, std::max<int64_t>(1, 8192 / I), [&](int64_t a, int64_t z) {
-      for (int64_t r = a; r < z; ++r) {
-        const float *g = gp + r * 2 * I, *u = g + I;
-        int64_t c = 0;
-        for (; c < I8; c += 8) {  // the entries as fp32 bits: each read's low 16 bits moved to the top
-          const __m256i idx = _mm256_cvtepu16_epi32(bf16_round8(_mm256_loadu_ps(g + c)));
-          const __m256i sg = _mm256_slli_epi32(_mm256_i32gather_epi32(table, idx, 2), 16);
-          const __m256 ub = widen8(bf16_round8(_mm256_loadu_ps(u + c)));
-          store8x16(yp + r * I + c, bf16_round8(_mm256_mul_ps(_mm256_castsi256_ps(sg), ub)));
-        }
-        for (; c < I; ++c) yp[r * I + c] = bf16_round(widen(silu[bf16_round(g[c])]) * widen(bf16_round(u[c])));
-      }
+      for (int64_t r = a; r < z; ++r) silu_span(gp + r * 2 * I, gp + r * 2 * I + I, I, yp + r * I);
     });
     return y;
   }
 
-  // Per token: split its row of nq q heads (nh_, or 0: k and v alone), then k and v heads; per-head norms (Qwen3),
-  // rotary on q and k, q into `q`, k / v (+ 1.0) into the cache.
+  // Where a layer's heads go (`heads`, `team_heads`): q [M, nq, hd] (nq = nh_, or 0: k and v alone), the cache
+  // layers k [B, kvh, T, hd] / v [B, kvh, T, hd + 1] at each token's slot, with the rotary rows and per-head norms.
+  struct HeadsTo {
+    uint16_t *q, *k, *v;
+    const uint16_t *cos, *sin, *qn, *kn;  // qn / kn null where the model has no per-head norms
+    const int64_t* slots;
+    int64_t nq, Q, T;
+  };
+
+  HeadsTo heads_to(const Layer& ly, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& q,
+                   const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& slots, int64_t nq,
+                   int64_t Q) const {
+    const uint16_t* qn = ly.q_norm.defined() && ly.q_norm.numel() ? bits(ly.q_norm) : nullptr;
+    const uint16_t* kn = ly.k_norm.defined() && ly.k_norm.numel() ? bits(ly.k_norm) : nullptr;
+    return {nq ? bits_mut(q) : nullptr, reinterpret_cast<uint16_t*>(kc.data_ptr()),
+            reinterpret_cast<uint16_t*>(vc.data_ptr()), bits(cos), bits(sin), qn, kn, slots.data_ptr<int64_t>(),
+            nq, Q, kc.size(2)};
+  }
+
+  // Head j of token r from its hd bf16 values at `src` (j < nq: a q head, then kvh k heads, then kvh v heads): the
+  // per-head norm (Qwen3) and rotary for q and k; q into o.q, k / v (+ 1.0) into the cache. row: hd, tmp: 2 hd.
+  void head(const HeadsTo& o, int64_t r, int64_t j, const uint16_t* src, uint16_t* row, float* tmp) const {
+    const int64_t hd = hd_, b = r / o.Q, slot = o.slots[r];
+    if (j >= o.nq + kvh_) {
+      uint16_t* dst = o.v + ((b * kvh_ + (j - o.nq - kvh_)) * o.T + slot) * (hd + 1);
+      std::memcpy(dst, src, hd * 2);
+      dst[hd] = bf16_round(1.0f);
+      return;
+    }
+    const bool is_q = j < o.nq;
+    uint16_t* dst = is_q ? o.q + (r * o.nq + j) * hd : o.k + ((b * kvh_ + (j - o.nq)) * o.T + slot) * hd;
+    const uint16_t* norm = is_q ? o.qn : o.kn;
+    if (norm) rms_row(src, norm, hd, eps_, row);
+    else std::memcpy(row, src, hd * 2);
+    rotate_row(row, o.cos + r * hd, o.sin + r * hd, hd, tmp);
+    std::memcpy(dst, row, hd * 2);
+  }
+
+  // Per token: its row of nq q heads (nh_, or 0: k and v alone), then k and v heads, each through `head`.
   void heads(const torch::Tensor& qkv, const Layer& ly, const torch::Tensor& cos, const torch::Tensor& sin,
              torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& slots,
              int64_t nq, int64_t Q) const {
-    const int64_t M = qkv.size(0), T = kc.size(2), hd = hd_, nqkv = (nq + 2 * kvh_) * hd_;
-    const uint16_t *src = bits(qkv), *cp = bits(cos), *sp = bits(sin);
-    const uint16_t* qn = ly.q_norm.defined() && ly.q_norm.numel() ? bits(ly.q_norm) : nullptr;
-    const uint16_t* kn = ly.k_norm.defined() && ly.k_norm.numel() ? bits(ly.k_norm) : nullptr;
-    const int64_t* sl = slots.data_ptr<int64_t>();
-    uint16_t* qp = nq ? bits_mut(q) : nullptr;
-    uint16_t* kp = reinterpret_cast<uint16_t*>(kc.data_ptr());
-    uint16_t* vp = reinterpret_cast<uint16_t*>(vc.data_ptr());
-    const uint16_t one = bf16_round(1.0f);
+    const int64_t M = qkv.size(0), hd = hd_, nj = nq + 2 * kvh_;
+    const HeadsTo o = heads_to(ly, cos, sin, q, kc, vc, slots, nq, Q);
+    const uint16_t* src = bits(qkv);
     at::parallel_for(0, M, 4, [&](int64_t a, int64_t z) {
       std::vector<uint16_t> row(hd);
       std::vector<float> tmp(2 * hd);
-      for (int64_t r = a; r < z; ++r) {
-        const int64_t b = r / Q, slot = sl[r];
-        const uint16_t* t = src + r * nqkv;
-        for (int64_t j = 0; j < nq + kvh_; ++j) {  // q heads, then k heads
-          const bool is_q = j < nq;
-          uint16_t* dst = is_q ? qp + (r * nq + j) * hd : kp + ((b * kvh_ + (j - nq)) * T + slot) * hd;
-          const uint16_t* norm = is_q ? qn : kn;
-          if (norm) rms_row(t + j * hd, norm, hd, eps_, row.data());
-          else std::memcpy(row.data(), t + j * hd, hd * 2);
-          rotate_row(row.data(), cp + r * hd, sp + r * hd, hd, tmp.data());
-          std::memcpy(dst, row.data(), hd * 2);
-        }
-        for (int64_t j = 0; j < kvh_; ++j) {
-          uint16_t* dst = vp + ((b * kvh_ + j) * T + slot) * (hd + 1);
-          std::memcpy(dst, t + (nq + kvh_ + j) * hd, hd * 2);
-          dst[hd] = one;
-        }
-      }
+      for (int64_t r = a; r < z; ++r)
+        for (int64_t j = 0; j < nj; ++j) head(o, r, j, src + (r * nj + j) * hd, row.data(), tmp.data());
     });
+  }
+
+  // ---- the team forward ------------------------------------------------------------------------------------
+  // Where every linear is plinear's (the int4 target on AVX512-BF16 CPUs), `forward` runs each layer's steps but
+  // the attention as ONE OpenMP team: the threads go through the steps together, a barrier between them, and share
+  // the glue too (norms, SiLU, the residual adds, the activations' layout, the heads' rotary) instead of the calling
+  // thread running it while the other waits for the next fork. Why: at 4 tokens the second thread sat idle ~37 % of
+  // a step (the glue on the first thread, a fork/join per step). Each step's work splits by rows, blocks, weight
+  // groups or heads, and every element is computed whole by one thread in the per-step loop's order: the same bits
+  // (tests compare the two).
+
+  // The buffers the team's steps share: rows M, hidden H, attention width A, intermediate I.
+  struct Bufs {
+    int64_t M, H, A, I;
+    uint16_t *x, *h, *act;  // the residual [M, H], its norm [M, H], SiLU's output [M, I]
+    uint32_t* pairs;        // the next Q4_1 linear's activations laid out (plinear_lay_out)
+    float *sums, *y;        // their block sums; a linear's fp32 sums [M, N]
+  };
+
+  // This thread's share [a, z) of n items: nt contiguous chunks, as at::parallel_for splits at grain 1.
+  static std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) {
+    const int64_t c = (n + nt - 1) / nt;
+    return {std::min(n, tid * c), std::min(n, (tid + 1) * c)};
+  }
+
+  // Whether `forward` runs on the team (`set_team` on, every linear plinear's, their shapes the model's: K = H for
+  // qkv and gate_up, the attention width for o, one intermediate size for down).
+ public:
+  bool on_team() const {
+    if (layers_.empty() || !team_) return false;
+    const int64_t H = layers_[0].ln_in.numel(), I = layers_[0].down.pw.K;
+    for (const Layer& ly : layers_) {
+      for (const Linear* l : {&ly.qkv, &ly.o, &ly.gate_up, &ly.down})
+        if (l->path != 2) return false;
+      if (ly.qkv.pw.K != H || ly.gate_up.pw.K != H || ly.o.pw.K != nh_ * hd_ || ly.down.pw.K != I ||
+          ly.gate_up.n_out != 2 * I || ly.o.n_out != H || ly.down.n_out != H || I % 32)
+        return false;
+    }
+    return true;
+  }
+
+ private:
+  // y = L(x) over this thread's weight groups; x [M, K] bf16, laid out by the step before where L is Q4_1.
+  static void tiles(const Linear& L, const uint16_t* x, const Bufs& b, int tid, int nt) {
+    const auto [g0, g1] = share(plinear_group_count(L.n_out), tid, nt);
+    plinear_groups(L.pw, x, b.pairs, b.sums, b.M, g0, g1, b.y);
+  }
+
+  // Rows [r0, r1) of x [M, K] laid out for L where L reads Q4_1 codes.
+  static void lay_out_rows(const Linear& L, const uint16_t* x, int64_t K, int64_t r0, int64_t r1, const Bufs& b) {
+    if (L.kind == 1) plinear_lay_out(x, r0 * K / 32, r1 * K / 32, b.pairs, b.sums);
+  }
+
+  // This thread's rows: x += the linear's sums in y (add), the taps at layer i, then the norm `w` into h, laid out
+  // for `next` (null: the final norm, no linear follows).
+  void rows_step(bool add, const Bufs& b, int64_t i, const std::vector<int64_t>& taps, uint16_t* feats,
+                 const torch::Tensor& w, const Linear* next, int tid, int nt) const {
+    const auto [r0, r1] = share(b.M, tid, nt);
+    const int64_t H = b.H, W = static_cast<int64_t>(taps.size()) * H;
+    for (int64_t r = r0; r < r1; ++r) {
+      if (add) add_span(b.x + r * H, b.y + r * H, H);
+      for (size_t t = 0; t < taps.size(); ++t)
+        if (taps[t] == i) std::memcpy(feats + r * W + t * H, b.x + r * H, H * 2);
+      if (w.defined()) rms_row(b.x + r * H, bits(w), H, eps_, b.h + r * H);
+    }
+    if (next) lay_out_rows(*next, b.h, H, r0, r1, b);
+  }
+
+  // Layer ly's qkv over h (laid out), then its heads from the fp32 sums (each head's row rounded as `round_to_bf16`
+  // would, then `head`), split by (token, head).
+  void qkv_step(const Layer& ly, const Bufs& b, const HeadsTo& o, int tid, int nt) const {
+    tiles(ly.qkv, b.h, b, tid, nt);
+#pragma omp barrier
+    const int64_t nj = nh_ + 2 * kvh_, hd = hd_;
+    std::vector<uint16_t> in(hd), row(hd);
+    std::vector<float> tmp(2 * hd);
+    const auto [a, z] = share(b.M * nj, tid, nt);
+    for (int64_t it = a; it < z; ++it) {
+      const float* src = b.y + it * hd;  // token it / nj, head it % nj: the row is nj heads of hd
+      for (int64_t k = 0; k < hd; k += 8) store8x16(in.data() + k, bf16_round8(_mm256_loadu_ps(src + k)));
+      head(o, it / nj, it % nj, in.data(), row.data(), tmp.data());
+    }
+  }
+
+  // Layer i after its attention (a [M, A] bf16): o, the add and the post norm, gate_up, SiLU, down, the add, the
+  // taps, and the next layer's norm and qkv with its heads (or the final norm).
+  void mlp_step(int64_t i, const uint16_t* a, const Bufs& b, const std::vector<int64_t>& taps, uint16_t* feats,
+                const HeadsTo* next_heads, int tid, int nt) const {
+    const Layer& ly = layers_[i];
+    if (ly.o.kind == 1) {
+      const auto [f0, f1] = share(b.M * b.A / 32, tid, nt);
+      plinear_lay_out(a, f0, f1, b.pairs, b.sums);
+#pragma omp barrier
+    }
+    tiles(ly.o, a, b, tid, nt);
+#pragma omp barrier
+    rows_step(true, b, -1, taps, feats, ly.ln_post, &ly.gate_up, tid, nt);
+#pragma omp barrier
+    tiles(ly.gate_up, b.h, b, tid, nt);
+#pragma omp barrier
+    const int64_t I = b.I, per_row = I / 32;
+    const auto [f0, f1] = share(b.M * per_row, tid, nt);  // SiLU by 32-element blocks, each laid out for down
+    for (int64_t f = f0; f < f1; ++f) {
+      const int64_t r = f / per_row, c = f % per_row * 32;
+      silu_span(b.y + r * 2 * I + c, b.y + r * 2 * I + I + c, 32, b.act + r * I + c);
+    }
+    if (ly.down.kind == 1) plinear_lay_out(b.act, f0, f1, b.pairs, b.sums);
+#pragma omp barrier
+    tiles(ly.down, b.act, b, tid, nt);
+#pragma omp barrier
+    const bool last = i + 1 == static_cast<int64_t>(layers_.size());
+    rows_step(true, b, i, taps, feats, last ? final_norm_ : layers_[i + 1].ln_in, last ? nullptr : &layers_[i + 1].qkv,
+              tid, nt);
+    if (last) return;
+#pragma omp barrier
+    qkv_step(layers_[i + 1], b, *next_heads, tid, nt);
+  }
+
+  template <class F>
+  static void team(F&& f) {
+#pragma omp parallel num_threads(at::get_num_threads())
+    f(omp_get_thread_num(), omp_get_num_threads());
+  }
+
+  void forward_team(torch::Tensor& x, torch::Tensor& h, torch::Tensor& feats, const torch::Tensor& cos,
+                    const torch::Tensor& sin, const std::vector<torch::Tensor>& keys,
+                    const std::vector<torch::Tensor>& values, const torch::Tensor& slots, const torch::Tensor& head,
+                    const torch::Tensor& tail, const std::vector<int64_t>& taps, int64_t B, int64_t Q) const {
+    const int64_t M = x.size(0), H = x.size(1), A = nh_ * hd_, I = layers_[0].down.pw.K, nl = layers_.size();
+    const int64_t K = std::max({H, A, I}), N = std::max({layers_[0].qkv.n_out, 2 * I, H});
+    const auto opt = x.options();
+    torch::Tensor act = torch::empty({M, I}, opt), q = torch::empty({B, Q, nh_, hd_}, opt);
+    torch::Tensor pairs = torch::empty({M * K / 32 * 16}, opt.dtype(torch::kInt));
+    torch::Tensor sums = torch::empty({M * K / 32}, opt.dtype(torch::kFloat));
+    torch::Tensor y = torch::empty({M, N}, opt.dtype(torch::kFloat));
+    const Bufs b{M, H, A, I, bits_mut(x), bits_mut(h), bits_mut(act), reinterpret_cast<uint32_t*>(pairs.data_ptr()),
+                 sums.data_ptr<float>(), y.data_ptr<float>()};
+    uint16_t* fp = bits_mut(feats);
+    std::vector<HeadsTo> to;
+    for (int64_t i = 0; i < nl; ++i)
+      to.push_back(heads_to(layers_[i], cos, sin, q, keys[i], values[i], slots, nh_, Q));
+    team([&](int tid, int nt) {
+      rows_step(false, b, -1, taps, fp, layers_[0].ln_in, &layers_[0].qkv, tid, nt);
+#pragma omp barrier
+      qkv_step(layers_[0], b, to[0], tid, nt);
+    });
+    for (int64_t i = 0; i < nl; ++i) {
+      const torch::Tensor a = attend(q, keys[i], values[i], head, tail, layers_[i].scaling);
+      const uint16_t* ap = bits(a);
+      team([&](int tid, int nt) { mlp_step(i, ap, b, taps, fp, i + 1 < nl ? &to[i + 1] : nullptr, tid, nt); });
+    }
   }
 
   int64_t nh_, kvh_, hd_;
   float eps_;
+  bool team_ = true;
   std::vector<Layer> layers_;
   torch::Tensor final_norm_;  // undefined: forward returns the last layer's output as it is
 };
@@ -331,11 +532,13 @@ void register_stack(pybind11::module& mod) {
   namespace py = pybind11;
   py::class_<Linear>(mod, "StackLinear")
       .def(py::init([](torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind, int64_t n_out,
-                       int64_t path) { return Linear{codes, d, m, kind, n_out, path}; }));
+                       int64_t path) { return make_linear(codes, d, m, kind, n_out, path); }));
   py::class_<Stack>(mod, "Stack")
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &Stack::add_layer)
       .def("set_final_norm", &Stack::set_final_norm)
+      .def("set_team", &Stack::set_team)
+      .def("on_team", &Stack::on_team)
       .def("forward", &Stack::forward, py::call_guard<py::gil_scoped_release>())  // see module.cpp: nogil
       .def("context", &Stack::context, py::call_guard<py::gil_scoped_release>())
       .def_static("silu_table", &silu_table_tensor);

@@ -14,6 +14,20 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
 // y = x . W^T for packed Q4_1 / Q8_0 codes (their exact values) and bf16 activations, row-invariant (plinear.cpp)
 torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
                       int64_t n_out, bool out_bf16);
+// plinear's two phases for a caller's own parallel region (layers.cpp's team forward), a barrier between them:
+// `plinear_lay_out` for blocks [f0, f1) of x's 32-element blocks (Q4_1 only; pairs [blocks, 16], sums [blocks]),
+// then `plinear_groups` for weight groups [g0, g1) of `plinear_group_count(N)`, into y [M, N] fp32. The same
+// arithmetic as `plinear` (each output element whole in one thread, in one order): the same bits.
+struct PlinearWeights {
+  const uint8_t* codes;  // packed [groups, blocks, 256 / 512 bytes]
+  const float* d;        // [groups, blocks, 16]
+  const float* m;        // [groups, blocks, 16] (Q4_1; null for Q8_0)
+  int64_t kind, K, N;    // kind 1 q4_1, 2 q8_0
+};
+void plinear_lay_out(const uint16_t* x, int64_t f0, int64_t f1, uint32_t* pairs, float* sums);
+void plinear_groups(const PlinearWeights& w, const uint16_t* x, const uint32_t* pairs, const float* sums, int64_t M,
+                    int64_t g0, int64_t g1, float* y);
+int64_t plinear_group_count(int64_t n_out);
 bool plinear_available();  // an AVX512-BF16 CPU, the ISA not forced to avx2 (rowlinear.cpp)
 // the lean target's attention, row-invariant (attention.cpp)
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor head, torch::Tensor tail,

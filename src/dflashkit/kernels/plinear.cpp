@@ -215,6 +215,21 @@ DFK_PBF16 void lay_out(const uint16_t* x, int64_t n, uint32_t* pairs, float* sum
 
 }  // namespace
 
+void plinear_lay_out(const uint16_t* x, int64_t f0, int64_t f1, uint32_t* pairs, float* sums) {
+  if (f1 > f0) lay_out(x + 32 * f0, f1 - f0, pairs + 16 * f0, sums + f0);  // each block alone: any split, same bits
+}
+
+void plinear_groups(const PlinearWeights& w, const uint16_t* x, const uint32_t* pairs, const float* sums, int64_t M,
+                    int64_t g0, int64_t g1, float* y) {
+  const int64_t nb = w.K / 32;
+  const Codes W{w.codes, w.d, w.m, nb};
+  const Acts X{w.kind == 1 ? pairs : reinterpret_cast<const uint32_t*>(x), sums, nb};
+  if (w.kind == 1) pbf16_range<1>(W, g0, g1, X, M, y, w.N);
+  else pbf16_range<2>(W, g0, g1, X, M, y, w.N);
+}
+
+int64_t plinear_group_count(int64_t n_out) { return (n_out + GROUP - 1) / GROUP; }
+
 torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
                       int64_t n_out, bool out_bf16) {
   TORCH_CHECK(plinear_available(), "plinear needs a CPU with AVX512-BF16 (and the ISA not forced to avx2)");
@@ -237,13 +252,11 @@ torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
   if (kind == 1) lay_out(xp, M * nb, pairs.data(), sums.data());
   torch::Tensor yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   float* yp = yf.data_ptr<float>();
-  const Codes W{static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(),
-                kind == 1 ? m.data_ptr<float>() : nullptr, nb};
-  const Acts X{kind == 1 ? pairs.data() : reinterpret_cast<const uint32_t*>(xp), sums.data(), nb};
+  const PlinearWeights w{static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(),
+                         kind == 1 ? m.data_ptr<float>() : nullptr, kind, K, N};
   // Threads split the groups of weight rows: each output element is computed whole by one thread, in the order above.
   at::parallel_for(0, groups, 1, [&](int64_t a, int64_t z) {
-    if (kind == 1) pbf16_range<1>(W, a, z, X, M, yp, N);
-    else pbf16_range<2>(W, a, z, X, M, yp, N);
+    plinear_groups(w, xp, pairs.data(), sums.data(), M, a, z, yp);
   });
   return out_bf16 ? round_to_bf16(yf) : yf;
 }
