@@ -550,22 +550,39 @@ void grouped_unit(const Call& x, int64_t r, int64_t kv, int64_t h0, int64_t h1, 
 // Short lists, grouped: a work item per (batch row, query, kv head), or per part of its heads where there are
 // fewer units than twice the threads (a one-token step: 3 units on 2 threads would leave one thread half idle).
 // Each thread lists the slots of the query it serves (kept while consecutive items share it).
-void run_grouped(const Call& x, int64_t B, const bool* hp, int64_t S, const int64_t* tp, int64_t L) {
-  const int64_t units = B * x.Q * x.kvh;
-  const int64_t parts = std::min(x.g, (2 * at::get_num_threads() + units - 1) / units);
+// Work items [a, e) of `grouped_items` (each thread its share, whoever splits them).
+void grouped_share(const Call& x, int64_t parts, const bool* hp, int64_t S, const int64_t* tp, int64_t L, int64_t a,
+                   int64_t e) {
   const int64_t size = (x.g + parts - 1) / parts;  // heads per item
-  at::parallel_for(0, units * parts, 1, [&](int64_t a, int64_t e) {
-    std::vector<int64_t> sl;
-    std::vector<float> w;
-    int64_t listed = -1;
-    for (int64_t it = a; it < e; ++it) {
-      const int64_t r = it / (x.kvh * parts), kv = it / parts % x.kvh, h0 = it % parts * size;  // r = b * Q + query
-      if (h0 >= x.g) continue;
-      if (r != listed) visible_slots(hp + r * S, S, tp + r * L, L, sl), listed = r;
-      const int64_t h1 = std::min(x.g, h0 + size);
-      x.hd == 64 ? grouped_unit<64>(x, r, kv, h0, h1, sl, w) : grouped_unit<128>(x, r, kv, h0, h1, sl, w);
-    }
-  });
+  std::vector<int64_t> sl;
+  std::vector<float> w;
+  int64_t listed = -1;
+  for (int64_t it = a; it < e; ++it) {
+    const int64_t r = it / (x.kvh * parts), kv = it / parts % x.kvh, h0 = it % parts * size;  // r = b * Q + query
+    if (h0 >= x.g) continue;
+    if (r != listed) visible_slots(hp + r * S, S, tp + r * L, L, sl), listed = r;
+    const int64_t h1 = std::min(x.g, h0 + size);
+    x.hd == 64 ? grouped_unit<64>(x, r, kv, h0, h1, sl, w) : grouped_unit<128>(x, r, kv, h0, h1, sl, w);
+  }
+}
+
+// The parts each (batch row, query, kv head) unit is cut into: more than one where there are fewer units than twice
+// the threads (a one-token step: 3 units on 2 threads would leave one thread half idle).
+int64_t grouped_parts(int64_t units, int64_t g, int64_t threads) {
+  return std::min(g, (2 * threads + units - 1) / units);
+}
+
+void run_grouped(const Call& x, int64_t B, const bool* hp, int64_t S, const int64_t* tp, int64_t L) {
+  const int64_t units = B * x.Q * x.kvh, parts = grouped_parts(units, x.g, at::get_num_threads());
+  at::parallel_for(0, units * parts, 1, [&](int64_t a, int64_t e) { grouped_share(x, parts, hp, S, tp, L, a, e); });
+}
+
+// Whether `attend` takes the grouped layout for these shapes (the one place that chooses; `attend_grouped`).
+bool takes_grouped(int64_t B, int64_t Q, int64_t kvh, int64_t hd, int64_t S, int64_t L) {
+  if (!grouped_path(hd)) return false;
+  const bool few = B * ((Q + kQueryBlock - 1) / kQueryBlock) * kvh < 2 * at::get_num_threads();
+  const bool share = S + L >= kShareSlots || (Q >= kQueryBlock && S + L >= kShareSlotsBlock);
+  return !share || (few && S + L < kPhasedSlots);
 }
 
 }  // namespace
@@ -597,13 +614,14 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
          reinterpret_cast<const uint16_t*>(values.data_ptr()), reinterpret_cast<uint16_t*>(o.data_ptr()),
          Q, nh, hd, kvh, T, vd, nh / kvh, static_cast<float>(scale), &slots};
   // The layout (each gives the same bits). Few units (one batch row) with 3k+ slots are phased over the threads.
+  if (takes_grouped(B, Q, kvh, hd, S, L)) {
+    run_grouped(x, B, hp, S, tp, L);
+    return o;
+  }
   const bool few = B * ((Q + kQueryBlock - 1) / kQueryBlock) * kvh < 2 * at::get_num_threads();
   const bool share = S + L >= kShareSlots || (Q >= kQueryBlock && S + L >= kShareSlotsBlock);
   if (!share || (few && S + L < kPhasedSlots)) {
-    if (grouped_path(hd))
-      run_grouped(x, B, hp, S, tp, L);
-    else
-      run_split(x, B, hp, S, tp, L);
+    run_split(x, B, hp, S, tp, L);
     return o;
   }
   at::parallel_for(0, B * Q, 16, [&](int64_t a, int64_t e) {  // a one-row step lists its few queries inline
@@ -615,6 +633,17 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
   else
     run_units(x, shared);
   return o;
+}
+
+bool attend_grouped_takes(int64_t B, int64_t Q, int64_t kvh, int64_t hd, int64_t S, int64_t L) {
+  return takes_grouped(B, Q, kvh, hd, S, L);
+}
+
+void attend_grouped(const AttendArgs& a, int tid, int nt) {
+  const Call x{a.q, a.k, a.v, a.o, a.Q, a.nh, a.hd, a.kvh, a.T, a.vd, a.nh / a.kvh, a.scale, nullptr};
+  const int64_t units = a.B * a.Q * a.kvh, parts = grouped_parts(units, x.g, nt), n = units * parts;
+  const int64_t c = (n + nt - 1) / nt;  // contiguous shares, as at::parallel_for splits at grain 1
+  grouped_share(x, parts, a.head, a.S, a.tail, a.L, std::min(n, tid * c), std::min(n, (tid + 1) * c));
 }
 
 // "split" keeps short lists on the per-(query, head) layout on any CPU, "auto" lets AVX-512 CPUs group them; returns

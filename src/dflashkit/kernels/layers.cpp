@@ -509,11 +509,36 @@ class Stack {
     std::vector<HeadsTo> to;
     for (int64_t i = 0; i < nl; ++i)
       to.push_back(heads_to(layers_[i], cos, sin, q, keys[i], values[i], slots, nh_, Q));
-    team([&](int tid, int nt) {
+    const auto start = [&](int tid, int nt) {
       rows_step(false, b, -1, taps, fp, layers_[0].ln_in, &layers_[0].qkv, tid, nt);
 #pragma omp barrier
       qkv_step(layers_[0], b, to[0], tid, nt);
-    });
+    };
+    const int64_t S = head.size(2), L = tail.size(2);
+    TORCH_CHECK(head.scalar_type() == torch::kBool && tail.scalar_type() == torch::kLong && head.dim() == 3 &&
+                    tail.dim() == 3 && head.size(0) == B && head.size(1) == Q && tail.size(0) == B &&
+                    tail.size(1) == Q && S <= keys[0].size(2),
+                "Stack.forward: head [B, Q, S <= T] bool and tail [B, Q, L] int64");
+    if (attend_grouped_takes(B, Q, kvh_, hd_, S, L)) {  // short key lists: the attention on the team too
+      const torch::Tensor hc = head.contiguous(), tc = tail.contiguous();
+      torch::Tensor o = torch::empty({M, A}, opt);  // each layer's attention output, read by its o
+      std::vector<AttendArgs> att;
+      for (int64_t i = 0; i < nl; ++i)
+        att.push_back({bits(q), bits(keys[i]), bits(values[i]), bits_mut(o), B, Q, nh_, hd_, kvh_, keys[i].size(2),
+                       values[i].size(3), static_cast<float>(layers_[i].scaling), hc.data_ptr<bool>(),
+                       tc.data_ptr<int64_t>(), S, L});
+      team([&](int tid, int nt) {
+        start(tid, nt);
+        for (int64_t i = 0; i < nl; ++i) {
+#pragma omp barrier
+          attend_grouped(att[i], tid, nt);
+#pragma omp barrier
+          mlp_step(i, att[i].o, b, taps, fp, i + 1 < nl ? &to[i + 1] : nullptr, tid, nt);
+        }
+      });
+      return;
+    }
+    team(start);
     for (int64_t i = 0; i < nl; ++i) {
       const torch::Tensor a = attend(q, keys[i], values[i], head, tail, layers_[i].scaling);
       const uint16_t* ap = bits(a);

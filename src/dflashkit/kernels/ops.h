@@ -32,6 +32,19 @@ bool plinear_available();  // an AVX512-BF16 CPU, the ISA not forced to avx2 (ro
 // the lean target's attention, row-invariant (attention.cpp)
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor head, torch::Tensor tail,
                      double scale);
+// attend's short-list layout (AVX-512, grouped) for a caller's own parallel region (layers.cpp's team forward): whether
+// `attend` would take it for these shapes, and this thread's share of its work items. The same bits as `attend`.
+struct AttendArgs {
+  const uint16_t *q, *k, *v;  // q [B, Q, nh, hd], the cache layer's keys [B, kvh, T, hd] and values [B, kvh, T, vd]
+  uint16_t* o;                // [B, Q, nh * hd]
+  int64_t B, Q, nh, hd, kvh, T, vd;
+  float scale;
+  const bool* head;     // [B, Q, S]
+  const int64_t* tail;  // [B, Q, L]
+  int64_t S, L;
+};
+bool attend_grouped_takes(int64_t B, int64_t Q, int64_t kvh, int64_t hd, int64_t S, int64_t L);
+void attend_grouped(const AttendArgs& a, int tid, int nt);
 std::string attend_set_layout(const std::string& layout);  // "split" or "auto": short lists' layout (same bits)
 // each query's key lists for `attend`: its head part's slots and its tail's, from positions and slots (keylists.cpp)
 std::tuple<torch::Tensor, torch::Tensor> key_lists(torch::Tensor positions, torch::Tensor slots, int64_t kv_len,
