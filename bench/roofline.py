@@ -11,7 +11,8 @@ of 16 per row) at 1-16 rows, and at one row with blocks of 2 and 4 (the blocks t
   bytes = the weights the step reads (codes, scales, the head) + the K/V it attends to (bf16);
   FLOPs = 2 x weight elements x tokens + the attention's 4 x context x heads x head_dim per token and layer;
   roofline = max(bytes / bandwidth, FLOPs / peak); fraction = roofline / measured (1.0 = at the roofline).
-Medians of `--repeats` timings. Writes roofline.json, roofline.md and roofline.png into --out.
+Medians of `--repeats` rounds, each timing every step once (3 calls) back to back, so a slow minute of the
+host falls on all steps alike. Writes roofline.json, roofline.md and roofline.png into --out.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import time
 
 import torch
 
-from dflashkit.measurements import cpu_name, median_ms
+from dflashkit.measurements import cpu_name
+from dflashkit.measurements import median_ms as median_one_ms
+
+from draft_block import median_ms  # noqa: E402  (bench/ is not a package)
 
 WIDTHS, ROWS = [1, 2, 4, 8, 16, 32], [1, 2, 4, 8, 16]
 SHORT_BLOCKS = [2, 4]  # drafting blocks timed at one row beside the drafter's own (16)
@@ -31,12 +35,12 @@ SHORT_BLOCKS = [2, 4]  # drafting blocks timed at one row beside the drafter's o
 def machine(repeats: int) -> dict:
     """Streaming bandwidth (GB/s) and the peak GEMM rate (GFLOP/s) with torch's threads."""
     a = torch.ones(128 * 1024 * 1024)  # 512 MB
-    bw = a.numel() * 4 / median_ms(a.sum, repeats) / 1e6
+    bw = a.numel() * 4 / median_one_ms(a.sum, repeats) / 1e6
     del a
     rates = {}
     for dt in (torch.float32, torch.bfloat16):
         x, w = torch.randn(1024, 2048).to(dt), torch.randn(2048, 2048).to(dt)
-        rates[str(dt).split(".")[1]] = 2 * 1024 * 2048 * 2048 / median_ms(lambda: x @ w, repeats) / 1e6
+        rates[str(dt).split(".")[1]] = 2 * 1024 * 2048 * 2048 / median_one_ms(lambda: x @ w, repeats) / 1e6
     return {"bandwidth_gb_s": bw, "gemm_gflop_s": rates, "peak_gflop_s": max(rates.values())}
 
 
@@ -66,7 +70,8 @@ def roofline(ms: float, bytes_: float, flops: float, m: dict) -> dict:
             "bound": "memory" if bytes_ / m["bandwidth_gb_s"] >= flops / m["peak_gflop_s"] else "compute"}
 
 
-def target_steps(t, ctx: int, m: dict, repeats: int) -> dict:
+def target_steps(t, ctx: int) -> dict:
+    """Each target step to time ("{rows}x{w}"): (the step, the bytes it reads, its FLOPs)."""
     s = target_shape(t)
     out = {}
     for rows in ROWS:
@@ -74,21 +79,19 @@ def target_steps(t, ctx: int, m: dict, repeats: int) -> dict:
         ids = torch.randint(4, t.vocab_size, (rows, ctx + max(WIDTHS)), generator=torch.Generator().manual_seed(0))
         t.forward(ids[:, :ctx], torch.arange(ctx).expand(rows, ctx), cache, kv_len=ctx, taps=False)
         for w in WIDTHS:
-            pos = torch.arange(ctx, ctx + w).expand(rows, w)
-
-            def step():
+            def step(w=w, ids=ids, cache=cache, pos=torch.arange(ctx, ctx + w).expand(rows, w)):
                 h, _ = t.forward(ids[:, ctx:ctx + w], pos, cache, kv_len=ctx + w, taps=False)
                 return t.logits(h)
-            ms = median_ms(step, repeats)
             kv = rows * (ctx + w) * s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * 2
             flops = 2 * s["weight_elems"] * rows * w + 4 * rows * w * (ctx + w) * s["heads"] * s["head_dim"] * s["layers"]
-            out[f"{rows}x{w}"] = roofline(ms, s["weight_bytes"] + kv, flops, m)
+            out[f"{rows}x{w}"] = (step, s["weight_bytes"] + kv, flops)
     return out
 
 
-def drafter_steps(target, tok, ctx: int, m: dict, repeats: int, draft_vocab: int | None) -> dict:
-    """The bundled drafter's drafting step (its block of B queries per row) at 1-16 rows, after a ctx-token prompt;
-    draft_vocab as `DecodeConfig.draft_vocab` (None: the drafter's default, as `dflashkit generate` runs it)."""
+def drafter_steps(target, tok, ctx: int, draft_vocab: int | None) -> dict:
+    """The bundled drafter's drafting step (its block of B queries per row) at 1-16 rows, after a ctx-token prompt,
+    and at one row its short blocks ("1_b{b}"): (the step, bytes, FLOPs). draft_vocab as `DecodeConfig.draft_vocab`
+    (None: the drafter's default, as `dflashkit generate` runs it)."""
     from dflashkit import DecodeConfig, DFlashEngine
     from dflashkit.loader import load_default_drafter
     from dflashkit.proposers import DraftView
@@ -107,17 +110,24 @@ def drafter_steps(target, tok, ctx: int, m: dict, repeats: int, draft_vocab: int
         view = DraftView(batch.anchor, batch.start, max(batch.starts), batch.seqs, batch.starts)
         prop.propose(batch.dstate, view)  # ingests the prompt's features once; later calls only draft
 
-        def cost(ms: float, b: int) -> dict:  # a block of b per row
+        def cost(b: int, rows=rows) -> tuple:  # a block of b per row: bytes, FLOPs
             bytes_ = params * 2 + nbytes(head) + rows * (ctx + b) * dc.num_hidden_layers * 2 * \
                 dc.num_key_value_heads * dc.head_dim * 2
             flops = 2 * (params * b + head.shape[0] * head.shape[1] * (b - 1)) * rows + \
                 4 * rows * b * (ctx + b) * dc.num_attention_heads * dc.head_dim * dc.num_hidden_layers
-            return roofline(ms, bytes_, flops, m)
-        out[str(rows)] = cost(median_ms(lambda: prop.propose(batch.dstate, view), repeats), B)
+            return bytes_, flops
+        out[str(rows)] = (lambda st=batch.dstate, v=view: prop.propose(st, v), *cost(B))
         if rows == 1:  # also the short blocks the step policy drafts (`propose(block=...)`)
             for b in SHORT_BLOCKS:
-                out[f"1_b{b}"] = cost(median_ms(lambda: prop.propose(batch.dstate, view, block=b), repeats), b)
+                out[f"1_b{b}"] = (lambda st=batch.dstate, v=view, b=b: prop.propose(st, v, block=b), *cost(b))
     return out
+
+
+def timed(steps: dict, m: dict, repeats: int) -> dict:
+    """Every step's median ms over `repeats` rounds, each round timing every step back to back (a slow minute of
+    the host falls on all steps alike, not on the few timed then), as a fraction of its roofline."""
+    ms = median_ms({k: v[0] for k, v in steps.items()}, repeats, inner=3)
+    return {k: roofline(ms[k], bytes_, flops, m) for k, (_, bytes_, flops) in steps.items()}
 
 
 def main() -> int:
@@ -142,8 +152,10 @@ def main() -> int:
     set_isa(args.isa)  # before the target loads: the plan (and the bits) follow the path
     target, tok = load_target(dtype="bfloat16", quant=args.quant)
     with torch.inference_mode():
-        steps = target_steps(target, args.context, m, args.repeats)
-        drafts = drafter_steps(target, tok, args.context, m, args.repeats, args.draft_vocab)
+        t_steps, d_steps = target_steps(target, args.context), drafter_steps(target, tok, args.context, args.draft_vocab)
+        res = timed({**{f"t{k}": v for k, v in t_steps.items()}, **{f"d{k}": v for k, v in d_steps.items()}}, m,
+                     args.repeats)
+        steps, drafts = ({k[1:]: v for k, v in res.items() if k[0] == c} for c in "td")
     one = steps["1x1"]["ms"]
     meta = {"command": "bench/roofline.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
             "cpu": cpu_name(), "threads": torch.get_num_threads(), "engine": getattr(target, "engine_name", "?"),
