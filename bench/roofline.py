@@ -2,17 +2,17 @@
 
     .venv/bin/python bench/roofline.py --out bench/results/roofline [--repeats 3] [--context 176]
 
-First the machine: streaming read bandwidth (a 512 MB float32 tensor summed by torch's threads) and the peak
-dot-product rate (torch's fp32 and bf16 GEMM at 1024 x 2048 x 2048; the faster one). Then the engine as
-`dflashkit generate` runs it (the default target on its default kernels, bf16): a target step of `w` new tokens
-per row (w = 1, 2, 4, 8, 16, 32) for `rows` rows (1, 2, 4, 8, 16) after a `--context`-token prompt, forward plus
-the LM head over every new token, as a verify pass computes it; and the bundled drafter's drafting step (one block
+The machine: streaming read bandwidth (a 512 MB float32 tensor summed by torch's threads) and the peak
+dot-product rate (torch's fp32 and bf16 GEMM at 1024 x 2048 x 2048; the faster one). The engine as `dflashkit
+generate` runs it (the default target on its default kernels, bf16): a target step of `w` new tokens per row
+(w = 1, 2, 4, 8, 16, 32) for `rows` rows (1, 2, 4, 8, 16) after a `--context`-token prompt, forward plus the LM head
+over every new token, as a verify pass computes it; and the bundled drafter's drafting step (one block
 of 16 per row) at 1-16 rows, and at one row with blocks of 2 and 4 (the blocks the step policy drafts). For each:
   bytes = the weights the step reads (codes, scales, the head) + the K/V it attends to (bf16);
   FLOPs = 2 x weight elements x tokens + the attention's 4 x context x heads x head_dim per token and layer;
   roofline = max(bytes / bandwidth, FLOPs / peak); fraction = roofline / measured (1.0 = at the roofline).
-Medians of `--repeats` rounds, each timing every step once (3 calls) back to back, so a slow minute of the
-host falls on all steps alike. Writes roofline.json, roofline.md and roofline.png into --out.
+Medians of `--repeats` rounds, each timing the machine's probes and every step once (3 calls) back to back, so a
+slow stretch of the host falls on all of them alike. Writes roofline.json, roofline.md and roofline.png into --out.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import time
 import torch
 
 from dflashkit.measurements import cpu_name
-from dflashkit.measurements import median_ms as median_one_ms
 
 from draft_block import median_ms  # noqa: E402  (bench/ is not a package)
 
@@ -32,16 +31,22 @@ WIDTHS, ROWS = [1, 2, 4, 8, 16, 32], [1, 2, 4, 8, 16]
 SHORT_BLOCKS = [2, 4]  # drafting blocks timed at one row beside the drafter's own (16)
 
 
-def machine(repeats: int) -> dict:
-    """Streaming bandwidth (GB/s) and the peak GEMM rate (GFLOP/s) with torch's threads."""
-    a = torch.ones(128 * 1024 * 1024)  # 512 MB
-    bw = a.numel() * 4 / median_one_ms(a.sum, repeats) / 1e6
-    del a
-    rates = {}
+def machine_probes() -> dict:
+    """The machine's probes, timed in the same rounds as the steps: a 512 MB float32 sum (streaming bandwidth) and
+    torch's fp32 and bf16 GEMM at 1024 x 2048 x 2048 (the peak dot-product rate: the faster)."""
+    a = torch.ones(128 * 1024 * 1024)
+    probes = {"m_stream": a.sum}
     for dt in (torch.float32, torch.bfloat16):
         x, w = torch.randn(1024, 2048).to(dt), torch.randn(2048, 2048).to(dt)
-        rates[str(dt).split(".")[1]] = 2 * 1024 * 2048 * 2048 / median_one_ms(lambda: x @ w, repeats) / 1e6
-    return {"bandwidth_gb_s": bw, "gemm_gflop_s": rates, "peak_gflop_s": max(rates.values())}
+        probes["m_" + str(dt).split(".")[1]] = lambda x=x, w=w: x @ w
+    return probes
+
+
+def machine(ms: dict) -> dict:
+    """Streaming bandwidth (GB/s) and GEMM rates (GFLOP/s) from the probes' median ms."""
+    rates = {k[2:]: 2 * 1024 * 2048 * 2048 / ms[k] / 1e6 for k in ("m_float32", "m_bfloat16")}
+    return {"bandwidth_gb_s": 128 * 1024 * 1024 * 4 / ms["m_stream"] / 1e6, "gemm_gflop_s": rates,
+            "peak_gflop_s": max(rates.values())}
 
 
 def nbytes(w) -> int:
@@ -123,11 +128,13 @@ def drafter_steps(target, tok, ctx: int, draft_vocab: int | None) -> dict:
     return out
 
 
-def timed(steps: dict, m: dict, repeats: int) -> dict:
-    """Every step's median ms over `repeats` rounds, each round timing every step back to back (a slow minute of
-    the host falls on all steps alike, not on the few timed then), as a fraction of its roofline."""
-    ms = median_ms({k: v[0] for k, v in steps.items()}, repeats, inner=3)
-    return {k: roofline(ms[k], bytes_, flops, m) for k, (_, bytes_, flops) in steps.items()}
+def timed(steps: dict, repeats: int) -> tuple[dict, dict]:
+    """The machine (`machine`) and every step's median ms as a fraction of its roofline: `repeats` rounds, each
+    timing the machine's probes and every step back to back, so a slow stretch of the host falls on all of them
+    alike, not on the few timed then."""
+    ms = median_ms({**machine_probes(), **{k: v[0] for k, v in steps.items()}}, repeats, inner=3)
+    m = machine(ms)
+    return m, {k: roofline(ms[k], bytes_, flops, m) for k, (_, bytes_, flops) in steps.items()}
 
 
 def main() -> int:
@@ -148,13 +155,12 @@ def main() -> int:
                     help="the target's kernels, as `dflashkit generate --quant` (default: %(default)s, the default "
                          "target: int4 on AVX512-BF16 CPUs)")
     args = ap.parse_args()
-    m = machine(args.repeats)
     set_isa(args.isa)  # before the target loads: the plan (and the bits) follow the path
     target, tok = load_target(dtype="bfloat16", quant=args.quant)
     with torch.inference_mode():
         t_steps, d_steps = target_steps(target, args.context), drafter_steps(target, tok, args.context, args.draft_vocab)
-        res = timed({**{f"t{k}": v for k, v in t_steps.items()}, **{f"d{k}": v for k, v in d_steps.items()}}, m,
-                     args.repeats)
+        m, res = timed({**{f"t{k}": v for k, v in t_steps.items()}, **{f"d{k}": v for k, v in d_steps.items()}},
+                       args.repeats)
         steps, drafts = ({k[1:]: v for k, v in res.items() if k[0] == c} for c in "td")
     one = steps["1x1"]["ms"]
     meta = {"command": "bench/roofline.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
