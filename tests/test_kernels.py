@@ -563,6 +563,79 @@ def test_the_drafter_runs_on_the_layer_stack_beside_a_stacked_target(arch, weigh
     assert [x.tokens for x in eng.generate(prompts, max_new_tokens=32)] == [x.tokens for x in ar]
 
 
+@pytest.mark.parametrize("kernel,group", [(2, 16), (3, 8)])
+def test_the_stacks_dflash2_convolution_is_the_modules_to_the_bit(kernel, group):
+    """layers.cpp `convolve` (both of a sublayer's convolutions) against `DynamicConv` in bf16: the same op order and
+    roundings, so the same bits; each row's block of Q slots alone (a tap never reads the block before)."""
+    from dflashkit.dflash2 import DynamicConv
+    from dflashkit.kernels import load
+
+    torch.manual_seed(kernel)
+    H, Q, B = 64, 8, 3
+    conv = DynamicConv(H, kernel, group)
+    with torch.no_grad():
+        conv.base_kernel.normal_(0, 0.5)
+        conv.kernel_projection.weight.normal_(0, 0.3)
+    conv = conv.bfloat16()
+    x = torch.randn(B, Q, H).bfloat16()
+    with torch.no_grad():
+        before, dynamic = conv.prepare(x, Q)
+        after = conv.finish(x, dynamic, Q)
+        dyn = conv.kernel_projection(x).view(B * Q, -1)
+    ours = [load().Stack.convolve(x.view(-1, H), dyn, conv.base_kernel.detach(), part, group, Q).view(B, Q, H)
+            for part in (0, 1)]
+    assert torch.equal(ours[0], before) and torch.equal(ours[1], after)
+    assert not torch.equal(before, x)  # the taps did mix the slots
+
+
+@pytest.mark.parametrize("weights", ["bf16", "q8_0"])
+def test_a_dflash2_drafter_runs_its_convolutions_on_the_layer_stack(weights, monkeypatch):
+    """DFlash2's grouped dynamic convolutions run inside the drafter's stack (layers.cpp `convolve`, the module's op
+    order and roundings): on bf16 weights a block's states are the per-op drafter's up to bf16 rounding, on Q8_0 copies
+    close to them, and far from what the same layers give with the convolutions taken out (so they did run); the
+    selector's chain then drafts from them, and greedy output stays AR's."""
+    from dflashkit import DFlashConfig, DFlashDrafter
+    from dflashkit.proposers import DraftView
+
+    if weights == "bf16":
+        monkeypatch.setenv("DFLASHKIT_DRAFTER_BF16", "1")
+    t = _stacked("llama")
+    cfg = DFlashConfig(hidden_size=t.hidden_size, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, intermediate_size=64, vocab_size=t.vocab_size, num_target_layers=t.num_layers,
+                       mask_token_id=3, block_size=8, target_layer_ids=[1, 3], rope_theta=10000.0, arch="dflash2",
+                       conv_kernel_size=3, conv_group_size=8, selector_rank=16, selector_top_k=6)
+    drafter = DFlashDrafter(cfg).init_weights(1, std=0.3).to(torch.bfloat16)
+    eng = DFlashEngine(t, drafter, eos_token_ids=[], config=DecodeConfig(tree=0, policy="fixed"))
+    stacked = eng.drafter_proposer(eng.config)
+    assert stacked.stack is not None and drafter.stack_weights == weights
+    per_op = type(stacked)(drafter, t, 8)
+    per_op.stack = None
+    feats = torch.randn(3, 20, 2 * t.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    pos = torch.arange(20).expand(3, 20)
+    view = DraftView(torch.tensor([5, 6, 7]), torch.tensor([20, 14, 9]), 20, [])
+    hidden = []
+    for prop in (stacked, per_op):
+        state = prop.prefill(feats, pos, pos[:, -1], 40)
+        prop.ingest(state, view.starts)
+        hidden.append(prop._hidden(state, view).float())
+        if prop is stacked:
+            nodes = prop.propose(state, view)  # the selector's path over the stacked states
+            assert nodes.tokens.shape[0] == 3
+    a, b = hidden
+    err = (a - b).abs().max()
+    assert err < {"bf16": 0.05, "q8_0": 0.15}[weights] * b.abs().max()
+    for layer in drafter.layers:  # the same layers without their convolutions
+        layer.attention_conv.init_identity()
+        layer.mlp_conv.init_identity()
+    state = per_op.prefill(feats, pos, pos[:, -1], 40)
+    per_op.ingest(state, view.starts)
+    assert (per_op._hidden(state, view).float() - b).abs().max() > 4 * err
+    drafter.load_state_dict(DFlashDrafter(cfg).init_weights(1, std=0.3).to(torch.bfloat16).state_dict())
+    prompts = [[5, 9, 11, 3], [7, 7, 1, 30, 31, 2, 8]]
+    ar = eng.generate(prompts, max_new_tokens=32, config=DecodeConfig.autoregressive())
+    assert [x.tokens for x in eng.generate(prompts, max_new_tokens=32)] == [x.tokens for x in ar]
+
+
 def test_one_kernel_plan_is_chosen_applied_and_keys_the_measurements(tmp_path):
     """`kernel_plan.choose` decides once; `apply` puts it on the target, whose `kernel_plan` then reads the same;
     the engine puts it on the drafter (its linears our kernel, its layers stacked with a stacked target); the plan's

@@ -443,16 +443,18 @@ def test_cli_bench_and_export_run_end_to_end(tmp_path, capsys):
 
 
 def test_a_drafter_without_a_corpus_for_the_default_target_gets_the_bundled_one(tmp_path):
-    """The lookup's corpus is the default target's earlier answers, shipped beside the bundled drafter: a drafter
-    directory without one (a user's own drafter for the default target) gets it; the same answers, not a copy."""
-    from dflashkit.checkpoint import CORPUS
+    """The lookup's corpus is the default target's earlier answers and its token ranking their tokens by frequency,
+    shipped beside the bundled drafter: a drafter directory without them (a user's own drafter for the default
+    target) gets them, so it drafts over the same draft vocabulary; the same data, not a copy."""
+    from dflashkit.checkpoint import CORPUS, RANKING
     from dflashkit.loader import load_models
 
     for f in BUNDLED_DRAFTER.iterdir():
-        if f.name != CORPUS:
+        if f.name not in (CORPUS, RANKING):
             (tmp_path / f.name).symlink_to(f)
     _, _, drafter, _ = load_models(drafter=str(tmp_path), dtype="float32", check=False)
-    own = load_default_drafter(*load_target(dtype="float32", check=False))[0].corpus
-    assert drafter.corpus is not None and own is not None
-    assert drafter.corpus.size == own.size > 0
-    assert torch.equal(torch.as_tensor(drafter.corpus.padded), torch.as_tensor(own.padded))
+    own = load_default_drafter(*load_target(dtype="float32", check=False))[0]
+    assert drafter.corpus is not None and own.corpus is not None
+    assert drafter.corpus.size == own.corpus.size > 0
+    assert torch.equal(torch.as_tensor(drafter.corpus.padded), torch.as_tensor(own.corpus.padded))
+    assert own.token_ranking and drafter.token_ranking == own.token_ranking

@@ -237,8 +237,9 @@ def windowed_mask(mask: torch.Tensor, q_pos: torch.Tensor, S: int, window: int |
 def layer_stack(drafter: DFlashDrafter, weights: str | None = None):
     """The drafter's layers as ONE C++ call per drafting step (kernels/layers.cpp, the stack the lean target runs:
     the ~40 small torch ops per layer around the kernels were ~half of a drafting step on a CPU), or None where it
-    cannot run them (no kernels, not bf16, attention biases, a width not a multiple of 32, DFlash2's convolutions,
-    sliding-window or causal draft layers).
+    cannot run them (no kernels, not bf16, attention biases, a width not a multiple of 32, DFlash2 convolutions
+    whose groups are not a multiple of 8 channels, sliding-window or causal draft layers). DFlash2's convolutions
+    run in the same call (layers.cpp `convolve`, the module's op order and roundings).
     Its fused qkv, gate/up and kv (the context's K/V, `Stack.context`) weights are copies: build it once per drafter
     (`DFlashEngine` does, next to a stacked target).
     weights: what the linears' copies are. "q8_0" (the default): Q8_0 copies on 8-bit activations
@@ -251,7 +252,9 @@ def layer_stack(drafter: DFlashDrafter, weights: str | None = None):
 
     c = drafter.config
     widths = (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
-    if (load() is None or c.arch == "dflash2" or c.windowed or c.attention_bias
+    v2 = c.arch == "dflash2"
+    if (load() is None or (v2 and (c.conv_group_size % 8 or c.hidden_size % c.conv_group_size)) or c.windowed
+            or c.attention_bias
             or drafter.fc.weight.dtype != torch.bfloat16
             or c.head_dim % 8
             or any(w % 32 for w in widths)):
@@ -277,6 +280,11 @@ def layer_stack(drafter: DFlashDrafter, weights: str | None = None):
                         a.q_norm.weight.detach().contiguous(), a.k_norm.weight.detach().contiguous(),
                         [fused(a.q_proj, a.k_proj, a.v_proj), fused(a.o_proj), fused(m.gate_proj, m.up_proj),
                          fused(m.down_proj), fused(a.k_proj, a.v_proj)], 1.0 / math.sqrt(c.head_dim))
+    for i, layer in enumerate(drafter.layers if v2 else []):  # DFlash2: a convolution around each sublayer
+        convs = (layer.attention_conv, layer.mlp_conv)
+        stack.add_convs(i, *[x for cv in convs for x in (fused(cv.kernel_projection),
+                                                           cv.base_kernel.detach().bfloat16().contiguous())],
+                        c.conv_kernel_size, c.conv_group_size)
     # The final norm in the same call (rms_row: `RMSNorm`'s rounding, its own summation order): its torch ops cost
     # ~20 us each right after a target step has streamed the weights through the caches.
     stack.set_final_norm(drafter.norm.weight.detach().contiguous())

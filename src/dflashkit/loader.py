@@ -310,6 +310,25 @@ def load_default_drafter(target: HFTarget, tokenizer) -> tuple[DFlashDrafter, bo
     return DFlashDrafter(cfg).init_weights(UNTRAINED_SEED).to(device=target.device, dtype=target.dtype), False
 
 
+def _default_target_data(d: DFlashDrafter, where: str) -> None:
+    """What a drafter for the default target takes from the bundled drafter's directory where its own has none: the
+    lookup's corpus (the default target's earlier answers: without it, a drafter a user trained for the default
+    target lost the lookup's copies from it) and the token ranking (the default target's answer tokens by frequency,
+    which sets the draft vocabulary: without it such a drafter drafted over all 49,152 ids, a drafting step with the
+    whole LM head, ~1 ms more on a CPU). Both describe the target's answers, not the drafter; neither changes the
+    output (verification is over the full vocabulary)."""
+    from .checkpoint import RANKING, load_token_ranking
+
+    if getattr(d, "corpus", None) is None and (BUNDLED_DRAFTER / CORPUS).is_file():
+        from .corpus import Corpus
+
+        d.corpus = Corpus.load(BUNDLED_DRAFTER / CORPUS)
+        log.info("the drafter in %s has no %s: using the default target's bundled one", where, CORPUS)
+    if d.token_ranking is None and d.d2t is None and (BUNDLED_DRAFTER / RANKING).is_file():
+        d.token_ranking = load_token_ranking(BUNDLED_DRAFTER)
+        log.info("the drafter in %s has no %s: using the default target's bundled one", where, RANKING)
+
+
 def load_models(target: str | None = None, drafter: str | None = None, dtype: str = "bfloat16",
                 device: str = "cpu", backend: str = "auto", check: bool = True, kernel: str = "auto",
                 quant: str | None = None) -> tuple[HFTarget, object, DFlashDrafter | None, bool]:
@@ -322,13 +341,8 @@ def load_models(target: str | None = None, drafter: str | None = None, dtype: st
                            quant=quant)
     if drafter:
         d = load_drafter(drafter, dtype=parse_dtype(dtype), device=device, num_target_layers=tgt.num_layers)
-        if target is None and getattr(d, "corpus", None) is None and (BUNDLED_DRAFTER / CORPUS).is_file():
-            # The corpus is the default target's earlier answers: it serves any drafter of that target (without
-            # it, a drafter trained by a user for the default target would lose the lookup's copies from it).
-            from .corpus import Corpus
-
-            d.corpus = Corpus.load(BUNDLED_DRAFTER / CORPUS)
-            log.info("the drafter in %s has no %s: using the default target's bundled one", drafter, CORPUS)
+        if target is None:
+            _default_target_data(d, drafter)
         return tgt, tok, d, True
     if target is None:
         return (tgt, tok, *load_default_drafter(tgt, tok))

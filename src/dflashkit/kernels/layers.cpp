@@ -142,12 +142,55 @@ inline void silu_span(const float* g, const float* u, int64_t n, uint16_t* y) {
   for (; c < n; ++c) y[c] = bf16_round(widen(silu[bf16_round(g[c])]) * widen(bf16_round(u[c])));
 }
 
+// A DFlash2 layer's grouped dynamic causal convolution around one sublayer (dflash2.py `DynamicConv`): the kernel
+// projection (H -> 2 K G: the dynamic taps of the convolution before the sublayer, then of the one after it) and the
+// base taps [2, K, H] bf16 (the module's `base[o].to(x.dtype)`).
+struct Conv {
+  Linear proj;
+  torch::Tensor base;
+  int64_t K, group;
+};
+
 struct Layer {
   torch::Tensor ln_in, ln_post, q_norm, k_norm;  // bf16 weights; q/k norms empty where the model has none
   Linear qkv, o, gate_up, down;
   double scaling;
   std::vector<Linear> kv;  // a drafter's k/v rows alone (`Stack.context`); empty for a target's layers
+  std::vector<Conv> convs;  // DFlash2: the attention's and the MLP's convolutions (`Stack.add_convs`); else empty
 };
+
+// y[t] = sum_o (base[o] + dyn[t, o, g]) * x[t - o] over each row's block of Q slots (x[t - o] = 0 before its first
+// slot), in the torch module's op order and bf16 roundings: acc = bf16(acc + bf16(base * x)), then
+// acc = bf16(acc + dyn * x), tap by tap (each product of two bf16 values exact in fp32). x [M, H] bf16 (M = B Q);
+// dyn [M, 2, K, G] bf16, `part` 0: the convolution before the sublayer, 1: after it. Returns bf16 [M, H], or its
+// values as fp32 (out_fp32: what `add_rows` reads). Not row-invariant across blocks by design: a slot reads the
+// slots before it in its own block (a drafter's numbers need not be; verification keeps the output exact).
+torch::Tensor convolve(const torch::Tensor& x, const torch::Tensor& dyn, int64_t part, const Conv& cv, int64_t Q,
+                       bool out_fp32) {
+  const int64_t M = x.size(0), H = x.size(1), K = cv.K, G = H / cv.group;
+  torch::Tensor y = torch::empty({M, H}, x.options().dtype(out_fp32 ? torch::kFloat : torch::kBFloat16));
+  const uint16_t *xp = bits(x), *dp = bits(dyn), *bp = bits(cv.base) + part * K * H;
+  float* yf = out_fp32 ? y.data_ptr<float>() : nullptr;
+  uint16_t* yb = out_fp32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr());
+  at::parallel_for(0, M, 4, [&](int64_t a, int64_t z) {
+    for (int64_t r = a; r < z; ++r) {
+      const int64_t t = r % Q;
+      for (int64_t c = 0; c < H; c += 8) {  // group % 8 == 0: the 8 columns share one dynamic tap
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t o = 0; o < K; ++o) {
+          const __m256 v = t >= o ? bf16x8(xp + (r - o) * H + c) : _mm256_setzero_ps();
+          const __m256 based = widen8(bf16_round8(_mm256_mul_ps(bf16x8(bp + o * H + c), v)));
+          acc = widen8(bf16_round8(_mm256_add_ps(acc, based)));
+          const __m256 d = _mm256_set1_ps(widen(dp[((r * 2 + part) * K + o) * G + c / cv.group]));
+          acc = widen8(bf16_round8(_mm256_add_ps(acc, _mm256_mul_ps(d, v))));
+        }
+        if (yf) _mm256_storeu_ps(yf + r * H + c, acc);
+        else store8x16(yb + r * H + c, bf16_round8(acc));
+      }
+    }
+  });
+  return y;
+}
 
 }  // namespace
 
@@ -169,6 +212,21 @@ class Stack {
                        std::vector<Linear>(linears.begin() + 4, linears.end())});
     if (linears.size() == 5)
       TORCH_CHECK(linears[4].n_out == 2 * kvh_ * hd_, "Stack: kv rows must be 2 * kv heads * hd");
+  }
+
+  // DFlash2: layer i's two convolutions (the attention's, then the MLP's), each its kernel projection (n_out 2 K G)
+  // and its base taps bf16 [2, K, H]; group: channels per dynamic tap (a multiple of 8 dividing H).
+  void add_convs(int64_t i, Linear attn_proj, torch::Tensor attn_base, Linear mlp_proj, torch::Tensor mlp_base,
+                 int64_t kernel_size, int64_t group) {
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()), "Stack.add_convs: no layer ", i);
+    const int64_t H = layers_[i].ln_in.numel(), K = kernel_size;
+    TORCH_CHECK(K >= 1 && group % 8 == 0 && H % group == 0, "Stack.add_convs: group must be a multiple of 8 dividing H");
+    for (const auto* b : {&attn_base, &mlp_base})
+      TORCH_CHECK(b->scalar_type() == torch::kBFloat16 && b->is_contiguous() &&
+                      b->sizes() == torch::IntArrayRef({2, K, H}), "Stack.add_convs: base taps must be bf16 [2, K, H]");
+    for (const auto* p : {&attn_proj, &mlp_proj})
+      TORCH_CHECK(p->n_out == 2 * K * (H / group), "Stack.add_convs: a kernel projection has 2 K (H / group) rows");
+    layers_[i].convs = {{attn_proj, attn_base, K, group}, {mlp_proj, mlp_base, K, group}};
   }
 
   // The model's final norm (bf16 [H]), applied by `forward` to the last layer's output: one `rms_row` per row
@@ -213,13 +271,19 @@ class Stack {
       const Layer& ly = layers_[i];
       const torch::Tensor& kc = keys[i];
       const torch::Tensor& vc = values[i];
+      const bool conv = !ly.convs.empty();  // DFlash2: a convolution before and after each sublayer
       norm_rows(x, ly.ln_in, h);
-      torch::Tensor qkv = ly.qkv(h);  // [M, (nh + 2 kvh) hd]
+      torch::Tensor dyn = conv ? ly.convs[0].proj(h) : torch::Tensor();  // [M, 2 K G] bf16
+      torch::Tensor qkv = ly.qkv(conv ? convolve(h, dyn, 0, ly.convs[0], Q, false) : h);  // [M, (nh + 2 kvh) hd]
       torch::Tensor q = torch::empty({B, Q, nh_, hd_}, x.options());
       heads(qkv, ly, cos, sin, q, kc, vc, slots, nh_, Q);
-      add_rows(x, ly.o(attend(q, kc, vc, head, tail, ly.scaling).view({M, nh_ * hd_}), false));
+      torch::Tensor a = attend(q, kc, vc, head, tail, ly.scaling).view({M, nh_ * hd_});
+      add_rows(x, conv ? convolve(ly.o(a), dyn, 1, ly.convs[0], Q, true) : ly.o(a, false));
       norm_rows(x, ly.ln_post, h);
-      add_rows(x, ly.down(silu_mul(ly.gate_up(h, false)), false));  // gate_up: [M, 2 I] fp32
+      if (conv) dyn = ly.convs[1].proj(h);
+      torch::Tensor m = ly.down(silu_mul(ly.gate_up(conv ? convolve(h, dyn, 0, ly.convs[1], Q, false) : h, false)),
+                                conv);  // gate_up: [M, 2 I] fp32; down: fp32 sums, bf16 where a convolution reads it
+      add_rows(x, conv ? convolve(m, dyn, 1, ly.convs[1], Q, true) : m);
       for (size_t t = 0; t < taps.size(); ++t)
         if (taps[t] == i) copy_tap(x, feats, t);
     }
@@ -401,7 +465,7 @@ class Stack {
     const int64_t H = layers_[0].ln_in.numel(), I = layers_[0].down.pw.K;
     for (const Layer& ly : layers_) {
       for (const Linear* l : {&ly.qkv, &ly.o, &ly.gate_up, &ly.down})
-        if (l->path != 2) return false;
+        if (l->path != 2 || !ly.convs.empty()) return false;
       if (ly.qkv.pw.K != H || ly.gate_up.pw.K != H || ly.o.pw.K != nh_ * hd_ || ly.down.pw.K != I ||
           ly.gate_up.n_out != 2 * I || ly.o.n_out != H || ly.down.n_out != H || I % 32)
         return false;
@@ -562,9 +626,17 @@ void register_stack(pybind11::module& mod) {
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &Stack::add_layer)
       .def("set_final_norm", &Stack::set_final_norm)
+      .def("add_convs", &Stack::add_convs)
       .def("set_team", &Stack::set_team)
       .def("on_team", &Stack::on_team)
       .def("forward", &Stack::forward, py::call_guard<py::gil_scoped_release>())  // see module.cpp: nogil
       .def("context", &Stack::context, py::call_guard<py::gil_scoped_release>())
-      .def_static("silu_table", &silu_table_tensor);
+      .def_static("silu_table", &silu_table_tensor)
+      .def_static("convolve", [](torch::Tensor x, torch::Tensor dyn, torch::Tensor base, int64_t part, int64_t group,
+                                 int64_t Q) {  // tests: one convolution as `forward` runs it (bf16 [M, H])
+        TORCH_CHECK(x.dim() == 2 && base.dim() == 3 && x.size(0) % Q == 0 && x.size(1) % group == 0 && group % 8 == 0,
+                    "Stack.convolve: x [M, H], base [2, K, H], M a multiple of Q, group a multiple of 8 dividing H");
+        const Conv cv{Linear{}, base.contiguous(), base.size(1), group};
+        return convolve(x.contiguous(), dyn.contiguous(), part, cv, Q, false);
+      });
 }
