@@ -75,9 +75,9 @@ def measure(engines: dict, prompts: list[list[int]], n: int, max_new: int, min_c
 def report(meta: dict, res: dict, out: Path) -> None:
     md = [f"# Two drafters, one target: the default system (`{meta['command']}`)", "",
           f"A = `{meta['drafter_a']}`, B = `{meta['drafter_b']}` (the lookup's corpus: "
-          f"{meta.get('corpus_b', 'its own')}); dataset {meta['dataset']}, {meta['max_new_tokens']} "
-          f"new tokens, greedy, {meta['dtype']}, {meta['threads']} threads. Lockstep per chunk: AR, AR again, the "
-          "default (adaptive policy) with A, with B. tokens/s = decode throughput.", "",
+          f"{meta.get('corpus_b', 'its own')}; the token ranking: {meta.get('ranking_b', 'its own')}); "
+          f"dataset {meta['dataset']}, {meta['max_new_tokens']} new tokens, greedy, {meta['dtype']}, "
+          f"{meta['threads']} threads. Lockstep per chunk: AR, AR again, the default (adaptive policy) with A, with B. tokens/s = decode throughput.", "",
           "| batch | prompts | AR tok/s | default A tok/s (tau) | default B tok/s (tau) | B / A (median chunk) "
           "| A / AR | B / AR | A/A | outputs differing from AR |", "|---|---|---|---|---|---|---|---|---|---|"]
     for n, r in res.items():
@@ -124,6 +124,11 @@ def main() -> int:
     target, tok, drafter_a, _ = load_models(drafter=args.drafter_a, dtype=args.dtype)
     source_b = args.drafter_b or args.drafter_a  # only --weights-b: A's drafter again, its own layer stack
     drafter_b = (load_drafter(source_b, dtype=target.dtype) if source_b else load_default_drafter(target, tok)[0])
+    # The token ranking (the target's answer tokens by frequency: the draft vocabulary) likewise: without it B
+    # would draft over the whole vocabulary, a costlier drafting step than A's for the same layers.
+    ranking_b = "its own" if drafter_b.token_ranking is not None or drafter_b.d2t is not None else "A's"
+    if ranking_b == "A's":
+        drafter_b.token_ranking = drafter_a.token_ranking
     a = DFlashEngine(target, drafter_a, tokenizer=tok)
     # The corpus (the target's earlier answers, for the lookup) ships in a drafter's directory; a drafter without
     # one gets A's: it belongs to the target, and B's default system would otherwise differ by its lookup as well.
@@ -147,7 +152,7 @@ def main() -> int:
     meta = {"command": " ".join(["bench/drafter_ab.py"] + sys.argv[1:]),
             "drafter_a": (args.drafter_a or "bundled") + (f" ({args.weights_a} layers)" if args.weights_a else ""),
             "drafter_b": (source_b or "bundled") + (f" ({args.weights_b} layers)" if args.weights_b else ""),
-            "corpus_b": corpus_b,
+            "corpus_b": corpus_b, "ranking_b": ranking_b,
             "dataset": args.dataset,
             "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "threads": torch.get_num_threads(),
             "policy": {"a": a.policy_stats(), "b": b.policy_stats()}}
