@@ -402,12 +402,13 @@ def test_layer_stack_is_bitwise_batch_invariant(arch, codes, n, prompt, seed, is
 
 
 @pytest.mark.parametrize("arch", STACKED_ARCHS)
+@pytest.mark.parametrize("codes", ["int4", "int4-a8"])
 @pytest.mark.parametrize("rows,width", [(1, 1), (1, 4), (1, 7), (3, 1), (2, 5)])
-def test_the_team_forward_gives_the_per_step_loops_bits(arch, rows, width):
-    """Where every linear is plinear's, the stack runs each layer (but the attention) as one OpenMP team sharing the
-    glue (layers.cpp `forward_team`); the per-step loop is the reference: the same logits, taps and cache, bit for
-    bit, on the prompt's prefill and on the step after it."""
-    t = _stacked(arch, "int4")
+def test_the_team_forward_gives_the_per_step_loops_bits(arch, codes, rows, width):
+    """Where every linear reads packed codes (plinear's, qlinear's), the stack runs each forward as one OpenMP team
+    sharing the glue (layers.cpp `forward_team`); the per-step loop is the reference: the same logits, taps and
+    cache, bit for bit, on the prompt's prefill and on the step after it."""
+    t = _stacked(arch, codes)
     t.tap_ids = [1, 4]
     ids = torch.randint(4, 90, (rows, 30 + width), generator=torch.Generator().manual_seed(rows * 10 + width))
     runs = []
@@ -561,6 +562,35 @@ def test_the_drafter_runs_on_the_layer_stack_beside_a_stacked_target(arch, weigh
     prompts = [[5, 9, 11, 3], [7, 7, 1, 30, 31, 2, 8]]
     ar = eng.generate(prompts, max_new_tokens=32, config=DecodeConfig.autoregressive())
     assert [x.tokens for x in eng.generate(prompts, max_new_tokens=32)] == [x.tokens for x in ar]
+
+
+def test_the_drafters_team_forward_gives_its_per_step_loops_bits():
+    """The drafter's stack (Q8_0 copies on 8-bit activations, qlinear) runs on the team too: the block's states and
+    the K/V it writes are the per-step loop's to the bit."""
+    from dflashkit import DFlashConfig, DFlashDrafter
+    from dflashkit.proposers import DraftView
+
+    t = _stacked("llama")
+    cfg = DFlashConfig(hidden_size=t.hidden_size, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, intermediate_size=64, vocab_size=t.vocab_size, num_target_layers=t.num_layers,
+                       mask_token_id=3, block_size=8, target_layer_ids=[1, 3], rope_theta=10000.0)
+    eng = DFlashEngine(t, DFlashDrafter(cfg).init_weights(1, std=0.3).to(torch.bfloat16), eos_token_ids=[],
+                       config=DecodeConfig(tree=0, policy="fixed"))
+    prop = eng.drafter_proposer(eng.config)
+    feats = torch.randn(3, 20, 2 * t.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    pos = torch.arange(20).expand(3, 20)
+    view = DraftView(torch.tensor([5, 6, 7]), torch.tensor([20, 14, 9]), 20, [])
+    runs = []
+    for team in (False, True):
+        prop.stack.set_team(team)
+        assert prop.stack.on_team() == team
+        state = prop.prefill(feats, pos, pos[:, -1], 40)
+        prop.ingest(state, view.starts)
+        runs.append([prop._hidden(state, view, block)
+                     for block in (2, 8)] + [*state.cache.keys, *state.cache.values])
+    prop.stack.set_team(True)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("kernel,group", [(2, 16), (3, 8)])

@@ -75,7 +75,7 @@ inline void rotate_row(uint16_t* x, const uint16_t* cos, const uint16_t* sin, in
 struct Linear {
   torch::Tensor codes, d, m;
   int64_t kind, n_out, path;
-  PlinearWeights pw{};  // plinear's view of the same tensors (path 2; `make_linear`): the team forward's tiles
+  PackedLinear pw{};  // the packed codes as plinear / qlinear read them (paths 1 and 2; `make_linear`): the team's
   // x [M, K] bf16 -> [M, n_out] bf16, or the fp32 sums before that rounding (bf16 = false: the caller rounds them
   // as it reads them, `silu_mul`, `add_rows`)
   torch::Tensor operator()(const torch::Tensor& x, bool bf16 = true) const {
@@ -87,10 +87,12 @@ struct Linear {
 
 Linear make_linear(torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind, int64_t n_out, int64_t path) {
   Linear l{codes, d, m, kind, n_out, path};
-  if (path == 2 && (kind == 1 || kind == 2)) {  // K from the packed size: groups x blocks x 256 / 512 bytes
-    const int64_t bytes = codes.numel() * codes.element_size(), per = plinear_group_count(n_out) * (kind == 1 ? 256 : 512);
-    l.pw = {static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(),
-            kind == 1 ? m.data_ptr<float>() : nullptr, kind, bytes / per * 32, n_out};
+  if ((path == 1 || path == 2) && (kind == 1 || kind == 2)) {  // K from the packed size: groups x blocks x bytes
+    const int64_t bytes = codes.numel() * codes.element_size();
+    const int64_t per = packed_group_count(n_out) * (kind == 1 ? 256 : 512);
+    const bool mins = kind == 1 || path == 1;  // plinear's Q8_0 reads no m; qlinear's holds its corrections
+    l.pw = {static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(), mins ? m.data_ptr() : nullptr, kind,
+            bytes / per * 32, n_out};
   }
   return l;
 }
@@ -435,7 +437,8 @@ class Stack {
   }
 
   // ---- the team forward ------------------------------------------------------------------------------------
-  // Where every linear is plinear's (the int4 target on AVX512-BF16 CPUs), `forward` runs each layer's steps but
+  // Where every linear reads packed codes (plinear's: the int4 target on AVX512-BF16 CPUs; qlinear's: the drafter's
+  // Q8_0 copies, the int4-a8 target), `forward` runs each layer's steps but
   // the attention as ONE OpenMP team: the threads go through the steps together, a barrier between them, and share
   // the glue too (norms, SiLU, the residual adds, the activations' layout, the heads' rotary) instead of the calling
   // thread running it while the other waits for the next fork. Why: at 4 tokens the second thread sat idle ~37 % of
@@ -447,8 +450,9 @@ class Stack {
   struct Bufs {
     int64_t M, H, A, I;
     uint16_t *x, *h, *act;  // the residual [M, H], its norm [M, H], SiLU's output [M, I]
-    uint32_t* pairs;        // the next Q4_1 linear's activations laid out (plinear_lay_out)
+    uint32_t* pairs;        // the next plinear Q4_1 linear's activations laid out (plinear_lay_out)
     float *sums, *y;        // their block sums; a linear's fp32 sums [M, N]
+    QlinearActs qa;         // the next qlinear linear's activations as int8 blocks (qlinear_quantize)
   };
 
   // This thread's share [a, z) of n items: nt contiguous chunks, as at::parallel_for splits at grain 1.
@@ -457,7 +461,8 @@ class Stack {
     return {std::min(n, tid * c), std::min(n, (tid + 1) * c)};
   }
 
-  // Whether `forward` runs on the team (`set_team` on, every linear plinear's, their shapes the model's: K = H for
+  // Whether `forward` runs on the team (`set_team` on, every linear on packed codes, no DFlash2 convolutions, the
+  // linears' shapes the model's: K = H for
   // qkv and gate_up, the attention width for o, one intermediate size for down).
  public:
   bool on_team() const {
@@ -465,7 +470,7 @@ class Stack {
     const int64_t H = layers_[0].ln_in.numel(), I = layers_[0].down.pw.K;
     for (const Layer& ly : layers_) {
       for (const Linear* l : {&ly.qkv, &ly.o, &ly.gate_up, &ly.down})
-        if (l->path != 2 || !ly.convs.empty()) return false;
+        if (!l->pw.codes || !ly.convs.empty()) return false;
       if (ly.qkv.pw.K != H || ly.gate_up.pw.K != H || ly.o.pw.K != nh_ * hd_ || ly.down.pw.K != I ||
           ly.gate_up.n_out != 2 * I || ly.o.n_out != H || ly.down.n_out != H || I % 32)
         return false;
@@ -474,16 +479,19 @@ class Stack {
   }
 
  private:
-  // y = L(x) over this thread's weight groups; x [M, K] bf16, laid out by the step before where L is Q4_1.
+  // y = L(x) over this thread's weight groups; x [M, K] bf16, prepared by the step before (`prepare`).
   static void tiles(const Linear& L, const uint16_t* x, const Bufs& b, int tid, int nt) {
-    const auto [g0, g1] = share(plinear_group_count(L.n_out), tid, nt);
-    plinear_groups(L.pw, x, b.pairs, b.sums, b.M, g0, g1, b.y);
+    const auto [g0, g1] = share(packed_group_count(L.n_out), tid, nt);
+    if (L.path == 2) plinear_groups(L.pw, x, b.pairs, b.sums, b.M, g0, g1, b.y);
+    else qlinear_groups(L.pw, b.qa, b.M, g0, g1, b.y);
   }
 
-  // Rows [r0, r1) of x [M, K] laid out for L where L reads Q4_1 codes.
-  static void lay_out_rows(const Linear& L, const uint16_t* x, int64_t K, int64_t r0, int64_t r1, const Bufs& b) {
-    if (L.kind == 1) plinear_lay_out(x, r0 * K / 32, r1 * K / 32, b.pairs, b.sums);
+  // Blocks [f0, f1) of x's 32-element blocks made ready for L: laid out (plinear's Q4_1) or quantized (qlinear).
+  static void prepare(const Linear& L, const uint16_t* x, int64_t f0, int64_t f1, const Bufs& b) {
+    if (L.path == 2 && L.kind == 1) plinear_lay_out(x, f0, f1, b.pairs, b.sums);
+    if (L.path == 1) qlinear_quantize(x, f0, f1, b.qa);
   }
+  static bool prepares(const Linear& L) { return L.path == 1 || L.kind == 1; }
 
   // This thread's rows: x += the linear's sums in y (add), the taps at layer i, then the norm `w` into h, laid out
   // for `next` (null: the final norm, no linear follows).
@@ -497,7 +505,7 @@ class Stack {
         if (taps[t] == i) std::memcpy(feats + r * W + t * H, b.x + r * H, H * 2);
       if (w.defined()) rms_row(b.x + r * H, bits(w), H, eps_, b.h + r * H);
     }
-    if (next) lay_out_rows(*next, b.h, H, r0, r1, b);
+    if (next) prepare(*next, b.h, r0 * H / 32, r1 * H / 32, b);
   }
 
   // Layer ly's qkv over h (laid out), then its heads from the fp32 sums (each head's row rounded as `round_to_bf16`
@@ -521,9 +529,9 @@ class Stack {
   void mlp_step(int64_t i, const uint16_t* a, const Bufs& b, const std::vector<int64_t>& taps, uint16_t* feats,
                 const HeadsTo* next_heads, int tid, int nt) const {
     const Layer& ly = layers_[i];
-    if (ly.o.kind == 1) {
+    if (prepares(ly.o)) {
       const auto [f0, f1] = share(b.M * b.A / 32, tid, nt);
-      plinear_lay_out(a, f0, f1, b.pairs, b.sums);
+      prepare(ly.o, a, f0, f1, b);
 #pragma omp barrier
     }
     tiles(ly.o, a, b, tid, nt);
@@ -538,7 +546,7 @@ class Stack {
       const int64_t r = f / per_row, c = f % per_row * 32;
       silu_span(b.y + r * 2 * I + c, b.y + r * 2 * I + I + c, 32, b.act + r * I + c);
     }
-    if (ly.down.kind == 1) plinear_lay_out(b.act, f0, f1, b.pairs, b.sums);
+    prepare(ly.down, b.act, f0, f1, b);
 #pragma omp barrier
     tiles(ly.down, b.act, b, tid, nt);
 #pragma omp barrier
@@ -567,8 +575,11 @@ class Stack {
     torch::Tensor pairs = torch::empty({M * K / 32 * 16}, opt.dtype(torch::kInt));
     torch::Tensor sums = torch::empty({M * K / 32}, opt.dtype(torch::kFloat));
     torch::Tensor y = torch::empty({M, N}, opt.dtype(torch::kFloat));
+    torch::Tensor qu = torch::empty({2, M * K}, opt.dtype(torch::kByte)), ds = torch::empty({2, M * K / 32}, y.options());
+    const QlinearActs qa{reinterpret_cast<int8_t*>(qu.data_ptr<uint8_t>()), qu.data_ptr<uint8_t>() + M * K,
+                         ds.data_ptr<float>(), ds.data_ptr<float>() + M * K / 32};
     const Bufs b{M, H, A, I, bits_mut(x), bits_mut(h), bits_mut(act), reinterpret_cast<uint32_t*>(pairs.data_ptr()),
-                 sums.data_ptr<float>(), y.data_ptr<float>()};
+                 sums.data_ptr<float>(), y.data_ptr<float>(), qa};
     uint16_t* fp = bits_mut(feats);
     std::vector<HeadsTo> to;
     for (int64_t i = 0; i < nl; ++i)

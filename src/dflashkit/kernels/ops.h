@@ -14,20 +14,30 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
 // y = x . W^T for packed Q4_1 / Q8_0 codes (their exact values) and bf16 activations, row-invariant (plinear.cpp)
 torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
                       int64_t n_out, bool out_bf16);
-// plinear's two phases for a caller's own parallel region (layers.cpp's team forward), a barrier between them:
-// `plinear_lay_out` for blocks [f0, f1) of x's 32-element blocks (Q4_1 only; pairs [blocks, 16], sums [blocks]),
-// then `plinear_groups` for weight groups [g0, g1) of `plinear_group_count(N)`, into y [M, N] fp32. The same
-// arithmetic as `plinear` (each output element whole in one thread, in one order): the same bits.
-struct PlinearWeights {
-  const uint8_t* codes;  // packed [groups, blocks, 256 / 512 bytes]
+// A packed linear's codes as plinear and qlinear read them (`RowLinear.packed`): groups of 16 rows.
+struct PackedLinear {
+  const uint8_t* codes;  // [groups, blocks, 256 / 512 bytes]
   const float* d;        // [groups, blocks, 16]
-  const float* m;        // [groups, blocks, 16] (Q4_1; null for Q8_0)
+  const void* m;         // [groups, blocks, 16]: Q4_1 fp32 mins; qlinear's Q8_0 int32 corrections; else unused
   int64_t kind, K, N;    // kind 1 q4_1, 2 q8_0
 };
+int64_t packed_group_count(int64_t n_out);  // groups of 16 weight rows (plinear.cpp)
+// plinear's and qlinear's two phases for a caller's own parallel region (layers.cpp's team forward), a barrier
+// between them: the activations prepared for blocks [f0, f1) of x's bf16 32-element blocks (`plinear_lay_out`:
+// Q4_1 only, pairs [blocks, 16] and sums [blocks]; `qlinear_quantize`: int8 per block), then the tiles of weight
+// groups [g0, g1) into y [M, N] fp32. The same arithmetic as `plinear` / `qlinear` (each output element whole in one
+// thread, in one order): the same bits.
 void plinear_lay_out(const uint16_t* x, int64_t f0, int64_t f1, uint32_t* pairs, float* sums);
-void plinear_groups(const PlinearWeights& w, const uint16_t* x, const uint32_t* pairs, const float* sums, int64_t M,
+void plinear_groups(const PackedLinear& w, const uint16_t* x, const uint32_t* pairs, const float* sums, int64_t M,
                     int64_t g0, int64_t g1, float* y);
-int64_t plinear_group_count(int64_t n_out);
+struct QlinearActs {
+  int8_t* q;   // [M K]: each block's int8 values
+  uint8_t* u;  // [M K]: q + 128
+  float* d;    // [M K / 32]: each block's scale
+  float* s;    // [M K / 32]: d * sum(q)
+};
+void qlinear_quantize(const uint16_t* x, int64_t f0, int64_t f1, const QlinearActs& a);
+void qlinear_groups(const PackedLinear& w, const QlinearActs& a, int64_t M, int64_t g0, int64_t g1, float* y);
 bool plinear_available();  // an AVX512-BF16 CPU, the ISA not forced to avx2 (rowlinear.cpp)
 // the lean target's attention, row-invariant (attention.cpp)
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor head, torch::Tensor tail,

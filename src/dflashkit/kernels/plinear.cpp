@@ -219,16 +219,16 @@ void plinear_lay_out(const uint16_t* x, int64_t f0, int64_t f1, uint32_t* pairs,
   if (f1 > f0) lay_out(x + 32 * f0, f1 - f0, pairs + 16 * f0, sums + f0);  // each block alone: any split, same bits
 }
 
-void plinear_groups(const PlinearWeights& w, const uint16_t* x, const uint32_t* pairs, const float* sums, int64_t M,
+void plinear_groups(const PackedLinear& w, const uint16_t* x, const uint32_t* pairs, const float* sums, int64_t M,
                     int64_t g0, int64_t g1, float* y) {
   const int64_t nb = w.K / 32;
-  const Codes W{w.codes, w.d, w.m, nb};
+  const Codes W{w.codes, w.d, static_cast<const float*>(w.m), nb};
   const Acts X{w.kind == 1 ? pairs : reinterpret_cast<const uint32_t*>(x), sums, nb};
   if (w.kind == 1) pbf16_range<1>(W, g0, g1, X, M, y, w.N);
   else pbf16_range<2>(W, g0, g1, X, M, y, w.N);
 }
 
-int64_t plinear_group_count(int64_t n_out) { return (n_out + GROUP - 1) / GROUP; }
+int64_t packed_group_count(int64_t n_out) { return (n_out + GROUP - 1) / GROUP; }
 
 torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
                       int64_t n_out, bool out_bf16) {
@@ -252,8 +252,8 @@ torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
   if (kind == 1) lay_out(xp, M * nb, pairs.data(), sums.data());
   torch::Tensor yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   float* yp = yf.data_ptr<float>();
-  const PlinearWeights w{static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(),
-                         kind == 1 ? m.data_ptr<float>() : nullptr, kind, K, N};
+  const PackedLinear w{static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(),
+                       kind == 1 ? m.data_ptr<float>() : nullptr, kind, K, N};
   // Threads split the groups of weight rows: each output element is computed whole by one thread, in the order above.
   at::parallel_for(0, groups, 1, [&](int64_t a, int64_t z) {
     plinear_groups(w, xp, pairs.data(), sums.data(), M, a, z, yp);

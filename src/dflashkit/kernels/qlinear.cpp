@@ -47,37 +47,38 @@ using dflashkit::round_to_bf16;
 
 constexpr int64_t GROUP = 16;  // weight rows per packed group (one 512-bit vector of fp32 / int32 lanes)
 
-// One token's row as int8 per 32-block: d = max|x| / 127, q = round-half-even(x / d) (x * (1 / d), as llama.cpp),
+// One token's row as int8 per 32-block (`quantize_block`, each block alone): d = max|x| / 127, q = round-half-even(x / d) (x * (1 / d), as llama.cpp),
 // s = d * sum(q) (the Q4_1 minimum's term), u = q + 128 as unsigned bytes (q8_0 weights on VNNI). All row-local.
 // (cvtps_epi32 rounds half to even under the default MXCSR, as nearbyint does; the max and the integer sum have one
 // value in any order.)
-void quantize_row(const float* x, int64_t K, int8_t* q, uint8_t* u, float* d, float* s) {
+void quantize_block(const float* xb, int8_t* q, uint8_t* u, float* d, float* s) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const float* xb = x + 32 * b;
-    __m256 v[4], mx = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i), mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], magnitude));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-    __m256i qi[4], sum = _mm256_setzero_si256();
-    for (int i = 0; i < 4; ++i) {
-      qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
-      sum = _mm256_add_epi32(sum, qi[i]);
-    }
-    // 4 x 8 int32 (each within +-127) -> 32 int8 in element order
-    const __m256i p8 = _mm256_permutevar8x32_epi32(
-        _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])),
-        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), p8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + 32 * b), _mm256_xor_si256(p8, _mm256_set1_epi8(-128)));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-    d[b] = db;
-    s[b] = db * static_cast<float>(_mm_cvtsi128_si32(s4));
+  __m256 v[4], mx = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i), mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], magnitude));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+  __m256i qi[4], sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+    sum = _mm256_add_epi32(sum, qi[i]);
   }
+  // 4 x 8 int32 (each within +-127) -> 32 int8 in element order
+  const __m256i p8 = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(u), _mm256_xor_si256(p8, _mm256_set1_epi8(-128)));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  *d = db;
+  *s = db * static_cast<float>(_mm_cvtsi128_si32(s4));
+}
+
+void quantize_row(const float* x, int64_t K, int8_t* q, uint8_t* u, float* d, float* s) {
+  for (int64_t b = 0; b < K / 32; ++b) quantize_block(x + 32 * b, q + 32 * b, u + 32 * b, d + b, s + b);
 }
 
 struct Packed {
@@ -259,6 +260,30 @@ bool vnni_path() {
 }
 
 }  // namespace
+
+void qlinear_quantize(const uint16_t* x, int64_t f0, int64_t f1, const QlinearActs& a) {
+  alignas(32) float xb[32];
+  for (int64_t f = f0; f < f1; ++f) {  // each block alone: any split, the same bits as quantize_row's
+    for (int i = 0; i < 32; ++i) xb[i] = dflashkit::widen(x[32 * f + i]);  // bf16 -> fp32 is exact
+    quantize_block(xb, a.q + 32 * f, a.u + 32 * f, a.d + f, a.s + f);
+  }
+}
+
+void qlinear_groups(const PackedLinear& w, const QlinearActs& a, int64_t M, int64_t g0, int64_t g1, float* y) {
+  const int64_t nb = w.K / 32;
+  const Packed W{static_cast<int>(w.kind), w.codes, w.d, w.m, (w.N + GROUP - 1) / GROUP, nb};
+  const QActs X{a.q, a.u, a.d, a.s, w.K, nb};
+  if (vnni_path()) {
+    if (w.kind == 1) vnni_range<1>(W, g0, g1, X, M, y, w.N);
+    else vnni_range<2>(W, g0, g1, X, M, y, w.N);
+    return;
+  }
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t t = 0; t < M; ++t) {
+      if (w.kind == 1) avx2_tile<1>(W, g, X, t, y, w.N);
+      else avx2_tile<2>(W, g, X, t, y, w.N);
+    }
+}
 
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
                       int64_t n_out, bool out_bf16) {
