@@ -564,9 +564,10 @@ def test_the_drafter_runs_on_the_layer_stack_beside_a_stacked_target(arch, weigh
     assert [x.tokens for x in eng.generate(prompts, max_new_tokens=32)] == [x.tokens for x in ar]
 
 
-def test_the_drafters_team_forward_gives_its_per_step_loops_bits():
+def test_the_drafters_team_forward_gives_its_per_step_loops_bits(isa):
     """The drafter's stack (Q8_0 copies on 8-bit activations, qlinear) runs on the team too: the block's states and
-    the K/V it writes are the per-step loop's to the bit."""
+    the K/V it writes are the per-step loop's to the bit, on each of qlinear's paths (with the AVX2 one, the
+    attention runs as its own call between two team regions)."""
     from dflashkit import DFlashConfig, DFlashDrafter
     from dflashkit.proposers import DraftView
 
