@@ -222,7 +222,8 @@ class Stack {
                  int64_t kernel_size, int64_t group) {
     TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()), "Stack.add_convs: no layer ", i);
     const int64_t H = layers_[i].ln_in.numel(), K = kernel_size;
-    TORCH_CHECK(K >= 1 && group % 8 == 0 && H % group == 0, "Stack.add_convs: group must be a multiple of 8 dividing H");
+    TORCH_CHECK(K >= 1 && group % 8 == 0 && H % group == 0,
+                "Stack.add_convs: group must be a multiple of 8 dividing H");
     for (const auto* b : {&attn_base, &mlp_base})
       TORCH_CHECK(b->scalar_type() == torch::kBFloat16 && b->is_contiguous() &&
                       b->sizes() == torch::IntArrayRef({2, K, H}), "Stack.add_convs: base taps must be bf16 [2, K, H]");
@@ -438,13 +439,13 @@ class Stack {
 
   // ---- the team forward ------------------------------------------------------------------------------------
   // Where every linear reads packed codes (plinear's: the int4 target on AVX512-BF16 CPUs; qlinear's: the drafter's
-  // Q8_0 copies, the int4-a8 target), `forward` runs each layer's steps but
-  // the attention as ONE OpenMP team: the threads go through the steps together, a barrier between them, and share
-  // the glue too (norms, SiLU, the residual adds, the activations' layout, the heads' rotary) instead of the calling
-  // thread running it while the other waits for the next fork. Why: at 4 tokens the second thread sat idle ~37 % of
-  // a step (the glue on the first thread, a fork/join per step). Each step's work splits by rows, blocks, weight
-  // groups or heads, and every element is computed whole by one thread in the per-step loop's order: the same bits
-  // (tests compare the two).
+  // Q8_0 copies, the int4-a8 target), `forward` runs as ONE OpenMP team (or, where `attend` would not take its
+  // grouped short-list layout, one team per layer between the attention calls): the threads go through the steps
+  // together, a barrier between them, and share the glue too (norms, SiLU, the residual adds, the activations'
+  // layout, the heads' rotary) instead of the calling thread running it while the other waits for the next fork.
+  // Why: at 4 tokens the second thread sat idle ~37 % of a step (the glue on the first thread, a fork/join per step).
+  // Each step's work splits by rows, blocks, weight groups, heads or attention units, and every element is computed
+  // whole by one thread in the per-step loop's order: the same bits (tests compare the two).
 
   // The buffers the team's steps share: rows M, hidden H, attention width A, intermediate I.
   struct Bufs {
@@ -462,8 +463,7 @@ class Stack {
   }
 
   // Whether `forward` runs on the team (`set_team` on, every linear on packed codes, no DFlash2 convolutions, the
-  // linears' shapes the model's: K = H for
-  // qkv and gate_up, the attention width for o, one intermediate size for down).
+  // linears' shapes the model's: K = H for qkv and gate_up, the attention width for o, one intermediate size for down).
  public:
   bool on_team() const {
     if (layers_.empty() || !team_) return false;
@@ -493,7 +493,7 @@ class Stack {
   }
   static bool prepares(const Linear& L) { return L.path == 1 || L.kind == 1; }
 
-  // This thread's rows: x += the linear's sums in y (add), the taps at layer i, then the norm `w` into h, laid out
+  // This thread's rows: x += the linear's sums in y (add), the taps at layer i, then the norm `w` into h, prepared
   // for `next` (null: the final norm, no linear follows).
   void rows_step(bool add, const Bufs& b, int64_t i, const std::vector<int64_t>& taps, uint16_t* feats,
                  const torch::Tensor& w, const Linear* next, int tid, int nt) const {
@@ -508,7 +508,7 @@ class Stack {
     if (next) prepare(*next, b.h, r0 * H / 32, r1 * H / 32, b);
   }
 
-  // Layer ly's qkv over h (laid out), then its heads from the fp32 sums (each head's row rounded as `round_to_bf16`
+  // Layer ly's qkv over h (prepared), then its heads from the fp32 sums (each head's row rounded as `round_to_bf16`
   // would, then `head`), split by (token, head).
   void qkv_step(const Layer& ly, const Bufs& b, const HeadsTo& o, int tid, int nt) const {
     tiles(ly.qkv, b.h, b, tid, nt);
@@ -541,7 +541,7 @@ class Stack {
     tiles(ly.gate_up, b.h, b, tid, nt);
 #pragma omp barrier
     const int64_t I = b.I, per_row = I / 32;
-    const auto [f0, f1] = share(b.M * per_row, tid, nt);  // SiLU by 32-element blocks, each laid out for down
+    const auto [f0, f1] = share(b.M * per_row, tid, nt);  // SiLU by 32-element blocks, each prepared for down
     for (int64_t f = f0; f < f1; ++f) {
       const int64_t r = f / per_row, c = f % per_row * 32;
       silu_span(b.y + r * 2 * I + c, b.y + r * 2 * I + I + c, 32, b.act + r * I + c);
@@ -551,8 +551,8 @@ class Stack {
     tiles(ly.down, b.act, b, tid, nt);
 #pragma omp barrier
     const bool last = i + 1 == static_cast<int64_t>(layers_.size());
-    rows_step(true, b, i, taps, feats, last ? final_norm_ : layers_[i + 1].ln_in, last ? nullptr : &layers_[i + 1].qkv,
-              tid, nt);
+    const Linear* next = last ? nullptr : &layers_[i + 1].qkv;
+    rows_step(true, b, i, taps, feats, last ? final_norm_ : layers_[i + 1].ln_in, next, tid, nt);
     if (last) return;
 #pragma omp barrier
     qkv_step(layers_[i + 1], b, *next_heads, tid, nt);
@@ -575,7 +575,8 @@ class Stack {
     torch::Tensor pairs = torch::empty({M * K / 32 * 16}, opt.dtype(torch::kInt));
     torch::Tensor sums = torch::empty({M * K / 32}, opt.dtype(torch::kFloat));
     torch::Tensor y = torch::empty({M, N}, opt.dtype(torch::kFloat));
-    torch::Tensor qu = torch::empty({2, M * K}, opt.dtype(torch::kByte)), ds = torch::empty({2, M * K / 32}, y.options());
+    torch::Tensor qu = torch::empty({2, M * K}, opt.dtype(torch::kByte));  // qlinear's int8 blocks, then + 128
+    torch::Tensor ds = torch::empty({2, M * K / 32}, y.options());         // their scales, then d * sum(q)
     const QlinearActs qa{reinterpret_cast<int8_t*>(qu.data_ptr<uint8_t>()), qu.data_ptr<uint8_t>() + M * K,
                          ds.data_ptr<float>(), ds.data_ptr<float>() + M * K / 32};
     const Bufs b{M, H, A, I, bits_mut(x), bits_mut(h), bits_mut(act), reinterpret_cast<uint32_t*>(pairs.data_ptr()),

@@ -47,14 +47,18 @@ using dflashkit::round_to_bf16;
 
 constexpr int64_t GROUP = 16;  // weight rows per packed group (one 512-bit vector of fp32 / int32 lanes)
 
-// One token's row as int8 per 32-block (`quantize_block`, each block alone): d = max|x| / 127, q = round-half-even(x / d) (x * (1 / d), as llama.cpp),
-// s = d * sum(q) (the Q4_1 minimum's term), u = q + 128 as unsigned bytes (q8_0 weights on VNNI). All row-local.
+// One 32-block of a token's row as int8 (`quantize_row`: each block alone): d = max|x| / 127,
+// q = round-half-even(x / d) (x * (1 / d), as llama.cpp), s = d * sum(q) (the Q4_1 minimum's term), u = q + 128 as
+// unsigned bytes (q8_0 weights on VNNI). All block-local.
 // (cvtps_epi32 rounds half to even under the default MXCSR, as nearbyint does; the max and the integer sum have one
 // value in any order.)
 void quantize_block(const float* xb, int8_t* q, uint8_t* u, float* d, float* s) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 v[4], mx = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i), mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], magnitude));
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], magnitude));
+  }
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
