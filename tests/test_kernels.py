@@ -285,22 +285,26 @@ def test_lean_with_rowlinear_speculative_greedy_output_is_ar():
     assert [g.tokens for g in eng.generate(prompts, max_new_tokens=40)] == [g.tokens for g in ar]
 
 
-def _to_int4_a8(t) -> None:
-    """A tiny lean target's linears as Q4_1 codes (head Q8_0) on 8-bit activations, as `--quant int4-a8` runs a
-    GGUF's own codes (a tiny model has no GGUF: its bf16 weights are quantised by the gguf library here)."""
+def _to_codes(t, kernel: str) -> None:
+    """A tiny lean target's linears as Q4_1 codes (head Q8_0), as `--quant KERNEL` runs a GGUF's own codes (a tiny
+    model has no GGUF: its bf16 weights are quantised by the gguf library here): "int4-a8" on 8-bit activations
+    (qlinear.cpp), "int4" on bf16 ones (plinear.cpp; skips where this CPU has no such path)."""
     t.use_rowlinear()
-    q = (lambda kind, lin: _ggml(kind, lin.dequantize())[0].with_int8_acts())
+    codes = {"int4-a8": RowLinear.with_int8_acts, "int4": RowLinear.with_exact_codes}[kernel]
+    q = (lambda kind, lin: codes(_ggml(kind, lin.dequantize())[0]))
     for layer in t._layers:
         for name in ("wqkv", "wgu", "wo", "wdown"):
             setattr(layer, name, q("q4_1", getattr(layer, name)))
     t.head = q("q8_0", t.head)
-    t.kernel = "int4-a8"
+    t.kernel = kernel
+    if kernel == "int4" and t.head.path != "plinear":
+        pytest.skip("no AVX512-BF16 here: --quant int4 runs rowlinear's fp32 products")
 
 
 @pytest.mark.parametrize("n,prompt,seed", [(8, 29, 1), (16, 40, 2)])
 def test_int8_activation_target_is_bitwise_batch_invariant_and_speculation_is_ar(arch, n, prompt, seed):
     t = make_target(arch, torch.bfloat16, backend="lean")
-    _to_int4_a8(t)
+    _to_codes(t, "int4-a8")
     t.use_fused_attention()
     inv = measure(t, n=n, prompt=prompt, seed=seed)
     assert inv.exact and inv.max_diff == 0.0, inv
@@ -366,23 +370,9 @@ def test_fused_attention_computes_the_same_model(arch):
 STACKED_ARCHS = ["llama", "qwen3"]  # Llama-style layers: what the layer stack (kernels/layers.cpp) implements
 
 
-def _to_int4(t) -> None:
-    """A tiny lean target's linears as Q4_1 codes (head Q8_0) on bf16 activations, as `--quant int4` runs a GGUF's
-    codes on an AVX512-BF16 CPU (plinear.cpp); skips where this CPU has no such path."""
-    t.use_rowlinear()
-    q = (lambda kind, lin: _ggml(kind, lin.dequantize())[0].with_exact_codes())
-    for layer in t._layers:
-        for name in ("wqkv", "wgu", "wo", "wdown"):
-            setattr(layer, name, q("q4_1", getattr(layer, name)))
-    t.head = q("q8_0", t.head)
-    t.kernel = "int4"
-    if t.head.path != "plinear":
-        pytest.skip("no AVX512-BF16 here: --quant int4 runs rowlinear's fp32 products")
-
-
 def _stacked(arch: str, codes: str = "bf16"):
     t = make_target(arch, torch.bfloat16, backend="lean")
-    {"bf16": lambda: t.use_rowlinear(), "int4-a8": lambda: _to_int4_a8(t), "int4": lambda: _to_int4(t)}[codes]()
+    t.use_rowlinear() if codes == "bf16" else _to_codes(t, codes)
     t.use_fused_attention()
     t.use_layer_stack()
     return t
