@@ -77,7 +77,8 @@ def report(meta: dict, res: dict, out: Path) -> None:
           f"A = `{meta['drafter_a']}`, B = `{meta['drafter_b']}` (the lookup's corpus: "
           f"{meta.get('corpus_b', 'its own')}; the token ranking: {meta.get('ranking_b', 'its own')}); "
           f"dataset {meta['dataset']}, {meta['max_new_tokens']} new tokens, greedy, {meta['dtype']}, "
-          f"{meta['threads']} threads. Lockstep per chunk: AR, AR again, the default (adaptive policy) with A, with B. tokens/s = decode throughput.", "",
+          f"{meta['threads']} threads. Lockstep per chunk: AR, AR again, the default (adaptive policy) with A, with B. "
+          "tokens/s = decode throughput.", "",
           "| batch | prompts | AR tok/s | default A tok/s (tau) | default B tok/s (tau) | B / A (median chunk) "
           "| A / AR | B / AR | A/A | outputs differing from AR |", "|---|---|---|---|---|---|---|---|---|---|"]
     for n, r in res.items():

@@ -550,7 +550,7 @@ void grouped_unit(const Call& x, int64_t r, int64_t kv, int64_t h0, int64_t h1, 
 // Short lists, grouped: a work item per (batch row, query, kv head), or per part of its heads where there are
 // fewer units than twice the threads (a one-token step: 3 units on 2 threads would leave one thread half idle).
 // Each thread lists the slots of the query it serves (kept while consecutive items share it).
-// Work items [a, e) of `grouped_items` (each thread its share, whoever splits them).
+// Work items [a, e) of the grouped layout's units * parts (each thread its share, whoever splits them).
 void grouped_share(const Call& x, int64_t parts, const bool* hp, int64_t S, const int64_t* tp, int64_t L, int64_t a,
                    int64_t e) {
   const int64_t size = (x.g + parts - 1) / parts;  // heads per item
@@ -577,12 +577,16 @@ void run_grouped(const Call& x, int64_t B, const bool* hp, int64_t S, const int6
   at::parallel_for(0, units * parts, 1, [&](int64_t a, int64_t e) { grouped_share(x, parts, hp, S, tp, L, a, e); });
 }
 
-// Whether `attend` takes the grouped layout for these shapes (the one place that chooses; `attend_grouped`).
-bool takes_grouped(int64_t B, int64_t Q, int64_t kvh, int64_t hd, int64_t S, int64_t L) {
-  if (!grouped_path(hd)) return false;
+// The layouts `attend` chooses between (each gives the same bits): short lists grouped (AVX-512) or split per
+// (query, head); long lists shared by a kv head's queries, phased over the threads where there are few units (one
+// batch row) or one unit per work item. The one place that chooses (`attend`, `attend_grouped_takes`).
+enum class Layout { grouped, split, phased, units };
+
+Layout layout_of(int64_t B, int64_t Q, int64_t kvh, int64_t hd, int64_t S, int64_t L) {
   const bool few = B * ((Q + kQueryBlock - 1) / kQueryBlock) * kvh < 2 * at::get_num_threads();
   const bool share = S + L >= kShareSlots || (Q >= kQueryBlock && S + L >= kShareSlotsBlock);
-  return !share || (few && S + L < kPhasedSlots);
+  if (!share || (few && S + L < kPhasedSlots)) return grouped_path(hd) ? Layout::grouped : Layout::split;
+  return few ? Layout::phased : Layout::units;
 }
 
 }  // namespace
@@ -613,14 +617,12 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
   Call x{reinterpret_cast<const uint16_t*>(q.data_ptr()), reinterpret_cast<const uint16_t*>(keys.data_ptr()),
          reinterpret_cast<const uint16_t*>(values.data_ptr()), reinterpret_cast<uint16_t*>(o.data_ptr()),
          Q, nh, hd, kvh, T, vd, nh / kvh, static_cast<float>(scale), &slots};
-  // The layout (each gives the same bits). Few units (one batch row) with 3k+ slots are phased over the threads.
-  if (takes_grouped(B, Q, kvh, hd, S, L)) {
+  const Layout layout = layout_of(B, Q, kvh, hd, S, L);
+  if (layout == Layout::grouped) {
     run_grouped(x, B, hp, S, tp, L);
     return o;
   }
-  const bool few = B * ((Q + kQueryBlock - 1) / kQueryBlock) * kvh < 2 * at::get_num_threads();
-  const bool share = S + L >= kShareSlots || (Q >= kQueryBlock && S + L >= kShareSlotsBlock);
-  if (!share || (few && S + L < kPhasedSlots)) {
+  if (layout == Layout::split) {
     run_split(x, B, hp, S, tp, L);
     return o;
   }
@@ -628,7 +630,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
     for (int64_t r = a; r < e; ++r) visible_slots(hp + r * S, S, tp + r * L, L, slots[r]);
   });
   std::vector<Unit> shared = make_units(x, B);
-  if (few)
+  if (layout == Layout::phased)
     run_phased(x, shared);
   else
     run_units(x, shared);
@@ -636,14 +638,14 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
 }
 
 bool attend_grouped_takes(int64_t B, int64_t Q, int64_t kvh, int64_t hd, int64_t S, int64_t L) {
-  return takes_grouped(B, Q, kvh, hd, S, L);
+  return layout_of(B, Q, kvh, hd, S, L) == Layout::grouped;
 }
 
 void attend_grouped(const AttendArgs& a, int tid, int nt) {
   const Call x{a.q, a.k, a.v, a.o, a.Q, a.nh, a.hd, a.kvh, a.T, a.vd, a.nh / a.kvh, a.scale, nullptr};
-  const int64_t units = a.B * a.Q * a.kvh, parts = grouped_parts(units, x.g, nt), n = units * parts;
-  const int64_t c = (n + nt - 1) / nt;  // contiguous shares, as at::parallel_for splits at grain 1
-  grouped_share(x, parts, a.head, a.S, a.tail, a.L, std::min(n, tid * c), std::min(n, (tid + 1) * c));
+  const int64_t units = a.B * a.Q * a.kvh, parts = grouped_parts(units, x.g, nt);
+  const auto [i0, i1] = thread_share(units * parts, tid, nt);
+  grouped_share(x, parts, a.head, a.S, a.tail, a.L, i0, i1);
 }
 
 // "split" keeps short lists on the per-(query, head) layout on any CPU, "auto" lets AVX-512 CPUs group them; returns

@@ -384,7 +384,7 @@ class Stack {
     return y;
   }
 
-  // Where a layer's heads go (`heads`, `team_heads`): q [M, nq, hd] (nq = nh_, or 0: k and v alone), the cache
+  // Where a layer's heads go (`heads`, `qkv_step`): q [M, nq, hd] (nq = nh_, or 0: k and v alone), the cache
   // layers k [B, kvh, T, hd] / v [B, kvh, T, hd + 1] at each token's slot, with the rotary rows and per-head norms.
   struct HeadsTo {
     uint16_t *q, *k, *v;
@@ -456,12 +456,6 @@ class Stack {
     QlinearActs qa;         // the next qlinear linear's activations as int8 blocks (qlinear_quantize)
   };
 
-  // This thread's share [a, z) of n items: nt contiguous chunks, as at::parallel_for splits at grain 1.
-  static std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) {
-    const int64_t c = (n + nt - 1) / nt;
-    return {std::min(n, tid * c), std::min(n, (tid + 1) * c)};
-  }
-
   // Whether `forward` runs on the team (`set_team` on, every linear on packed codes, no DFlash2 convolutions, the
   // linears' shapes the model's: K = H for qkv and gate_up, the attention width for o, one intermediate size for down).
  public:
@@ -481,7 +475,7 @@ class Stack {
  private:
   // y = L(x) over this thread's weight groups; x [M, K] bf16, prepared by the step before (`prepare`).
   static void tiles(const Linear& L, const uint16_t* x, const Bufs& b, int tid, int nt) {
-    const auto [g0, g1] = share(packed_group_count(L.n_out), tid, nt);
+    const auto [g0, g1] = thread_share(packed_group_count(L.n_out), tid, nt);
     if (L.path == 2) plinear_groups(L.pw, x, b.pairs, b.sums, b.M, g0, g1, b.y);
     else qlinear_groups(L.pw, b.qa, b.M, g0, g1, b.y);
   }
@@ -497,7 +491,7 @@ class Stack {
   // for `next` (null: the final norm, no linear follows).
   void rows_step(bool add, const Bufs& b, int64_t i, const std::vector<int64_t>& taps, uint16_t* feats,
                  const torch::Tensor& w, const Linear* next, int tid, int nt) const {
-    const auto [r0, r1] = share(b.M, tid, nt);
+    const auto [r0, r1] = thread_share(b.M, tid, nt);
     const int64_t H = b.H, W = static_cast<int64_t>(taps.size()) * H;
     for (int64_t r = r0; r < r1; ++r) {
       if (add) add_span(b.x + r * H, b.y + r * H, H);
@@ -516,7 +510,7 @@ class Stack {
     const int64_t nj = nh_ + 2 * kvh_, hd = hd_;
     std::vector<uint16_t> in(hd), row(hd);
     std::vector<float> tmp(2 * hd);
-    const auto [a, z] = share(b.M * nj, tid, nt);
+    const auto [a, z] = thread_share(b.M * nj, tid, nt);
     for (int64_t it = a; it < z; ++it) {
       const float* src = b.y + it * hd;  // token it / nj, head it % nj: the row is nj heads of hd
       for (int64_t k = 0; k < hd; k += 8) store8x16(in.data() + k, bf16_round8(_mm256_loadu_ps(src + k)));
@@ -530,7 +524,7 @@ class Stack {
                 const HeadsTo* next_heads, int tid, int nt) const {
     const Layer& ly = layers_[i];
     if (prepares(ly.o)) {
-      const auto [f0, f1] = share(b.M * b.A / 32, tid, nt);
+      const auto [f0, f1] = thread_share(b.M * b.A / 32, tid, nt);
       prepare(ly.o, a, f0, f1, b);
 #pragma omp barrier
     }
@@ -541,7 +535,7 @@ class Stack {
     tiles(ly.gate_up, b.h, b, tid, nt);
 #pragma omp barrier
     const int64_t I = b.I, per_row = I / 32;
-    const auto [f0, f1] = share(b.M * per_row, tid, nt);  // SiLU by 32-element blocks, each prepared for down
+    const auto [f0, f1] = thread_share(b.M * per_row, tid, nt);  // SiLU by 32-element blocks, each made ready for down
     for (int64_t f = f0; f < f1; ++f) {
       const int64_t r = f / per_row, c = f % per_row * 32;
       silu_span(b.y + r * 2 * I + c, b.y + r * 2 * I + I + c, 32, b.act + r * I + c);

@@ -3,7 +3,9 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <string>
+#include <utility>
 
 // y = x @ W^T, every row computed alike whatever the row count (rowlinear.cpp)
 torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
@@ -14,6 +16,12 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
 // y = x . W^T for packed Q4_1 / Q8_0 codes (their exact values) and bf16 activations, row-invariant (plinear.cpp)
 torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
                       int64_t n_out, bool out_bf16);
+// This thread's share [a, z) of n work items among nt threads: contiguous chunks, as at::parallel_for splits at grain
+// 1 (the team forward's steps, layers.cpp, and the attention's units there).
+inline std::pair<int64_t, int64_t> thread_share(int64_t n, int tid, int nt) {
+  const int64_t c = (n + nt - 1) / nt;
+  return {std::min(n, tid * c), std::min(n, (tid + 1) * c)};
+}
 // A packed linear's codes as plinear and qlinear read them (`RowLinear.packed`): groups of 16 rows.
 struct PackedLinear {
   const uint8_t* codes;  // [groups, blocks, 256 / 512 bytes]

@@ -312,24 +312,10 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
   });
   torch::Tensor yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   float* yp = yf.data_ptr<float>();
-  const Packed W{static_cast<int>(kind), static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(),
-                 m.data_ptr(), groups, nb};
-  const QActs X{xq.data(), xu.data(), xd.data(), xs.data(), K, nb};
+  const PackedLinear w{static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(), m.data_ptr(), kind, K, N};
+  const QlinearActs a{xq.data(), xu.data(), xd.data(), xs.data()};
   // Threads split the groups of weight rows (one contiguous range each): each output element is computed whole by
   // one thread, in the order above.
-  if (vnni_path()) {
-    at::parallel_for(0, groups, 1, [&](int64_t a, int64_t z) {
-      if (kind == 1) vnni_range<1>(W, a, z, X, M, yp, N);
-      else vnni_range<2>(W, a, z, X, M, yp, N);
-    });
-  } else {
-    at::parallel_for(0, groups, 1, [&](int64_t a, int64_t z) {
-      for (int64_t g = a; g < z; ++g)
-        for (int64_t t = 0; t < M; ++t) {
-          if (kind == 1) avx2_tile<1>(W, g, X, t, yp, N);
-          else avx2_tile<2>(W, g, X, t, yp, N);
-        }
-    });
-  }
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) { qlinear_groups(w, a, M, g0, g1, yp); });
   return out_bf16 ? round_to_bf16(yf) : yf;
 }
