@@ -17,6 +17,18 @@ from dflashkit.proposers import LookupProposer
 from test_engine import PROMPTS, reference_runs
 
 
+@pytest.fixture(params=["python", "cpp"])
+def impl(request, monkeypatch):
+    """`Corpus.match` in Python or in one C++ call (kernels/corpusmatch.cpp): both are tested."""
+    from dflashkit import kernels
+
+    if request.param == "python":
+        monkeypatch.setattr(kernels, "on_cpu", lambda *a: None)
+    elif not kernels.available():
+        pytest.skip(f"kernels unavailable: {kernels.why_unavailable()}")
+    return request.param
+
+
 def plain_match(answers: list[list[int]], ids: list[int], max_tokens: int, min_n: int = 1):
     """The definition, written plainly: the longest suffix of ids (at most MAX_N) that ends somewhere inside an
     answer; then, token by token, the next token most of its occurrences share (a tie to the smallest id, an
@@ -43,7 +55,7 @@ def plain_match(answers: list[list[int]], ids: list[int], max_tokens: int, min_n
     return (out, n, support) if out else ([], 0, 0)
 
 
-def test_a_match_is_the_longest_suffix_and_the_continuation_most_occurrences_share():
+def test_a_match_is_the_longest_suffix_and_the_continuation_most_occurrences_share(impl):
     c = Corpus.from_answers([[1, 2, 3, 4], [9, 2, 3, 5, 6], [2, 3, 5, 7], [8, 8]])
     m = c.match([0, 2, 3], max_tokens=3)
     assert (m.tokens, m.n, m.support) == ([5, 6], 2, 2)  # [2, 3] -> 5 twice, 4 once; then 6 and 7: a tie to 6
@@ -53,7 +65,7 @@ def test_a_match_is_the_longest_suffix_and_the_continuation_most_occurrences_sha
     assert c.match([3, 99], 3).n == 0  # an id the corpus never holds
 
 
-def test_matches_agree_with_the_definition_on_random_corpora():
+def test_matches_agree_with_the_definition_on_random_corpora(impl):
     rng = random.Random(0)
     for _ in range(1500):
         v = rng.randint(2, 7)
@@ -65,7 +77,32 @@ def test_matches_agree_with_the_definition_on_random_corpora():
         assert (m.tokens, m.n, m.support) == plain_match(answers, ids, k, min_n), (answers, ids, k, min_n)
 
 
-def test_ids_past_16_bits_and_the_file_round_trip(tmp_path):
+def test_the_cpp_match_equals_the_python_one_on_the_bundled_corpus(monkeypatch):
+    """Queries from the bundled corpus' own answers (long matches, ranges past SAMPLED occurrences: the evenly spaced
+    sample) and perturbed ones: kernels/corpusmatch.cpp answers exactly as corpus.py's Python."""
+    from dflashkit import kernels
+    from dflashkit.loader import BUNDLED_DRAFTER
+
+    if not kernels.available():
+        pytest.skip(f"kernels unavailable: {kernels.why_unavailable()}")
+    c = Corpus.load(BUNDLED_DRAFTER / CORPUS).prepare()
+    answers, rng = c.answers(), np.random.default_rng(0)
+    queries = []
+    for i in rng.integers(0, len(answers), 400):
+        a = answers[i]
+        if len(a) > 3:
+            q = a[:int(rng.integers(2, len(a)))].copy()
+            if rng.random() < 0.4:  # a token the corpus did not see there: a shorter match
+                q[-int(rng.integers(1, min(len(q), 6)))] = rng.integers(0, 49152)
+            queries.append(q)
+    fast = [c.match(q, 16, 1) for q in queries]
+    monkeypatch.setattr(kernels, "on_cpu", lambda *a: None)
+    slow = [c.match(q, 16, 1) for q in queries]
+    assert fast == slow
+    assert sum(m.occurrences == 64 for m in fast) > 20 and sum(m.n == MAX_N for m in fast) > 20  # both cases ran
+
+
+def test_ids_past_16_bits_and_the_file_round_trip(tmp_path, impl):
     answers = [[70_000, 5, 100_000, 7], [5, 100_000, 8]]
     c = Corpus.from_answers(answers)
     assert c.bits == 32 and c.match([1, 5, 100_000], 2).tokens == [7]  # a tie between 7 and 8: the smaller
@@ -111,7 +148,7 @@ def test_the_branch_copies_from_the_corpus_only_where_the_rows_own_match_is_shor
     assert acc.lookup_tried == {"corpus-2-one": 3} and acc.lookup_right == {"corpus-2-one": 2}
 
 
-def test_a_copy_is_keyed_by_how_far_the_corpus_agrees_on_it():
+def test_a_copy_is_keyed_by_how_far_the_corpus_agrees_on_it(impl):
     """`CorpusMatch.agreement`: the share of the occurrences read that continue with the proposal's first token;
     the policy's prior trusts an agreed copy more than a long match, and a disputed one less."""
     def corpus(after: list[int]):  # one answer [2, 3, t] per t

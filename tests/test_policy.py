@@ -53,6 +53,34 @@ def test_best_cut_margin_weighs_the_extra_time_not_the_total():
     assert best_cut(v, 1, lambda w: 10.0 + 0.001 * (w - 1), margin=1.5).width == 2  # nearly free: still taken
 
 
+def test_best_cut_is_the_best_threshold_of_all():
+    """The definition: every distinct value tried as the threshold (keep the nodes worth >= it), judged with the
+    time beyond the AR step times the margin; the AR step unless one is strictly better; the first best."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        b, W = int(rng.integers(1, 5)), int(rng.integers(1, 9))
+        drawn = rng.choice([0.0, 0.1, 0.25, 0.5, 0.9], (b, W)) if rng.random() < 0.5 else rng.random((b, W))
+        v = np.where(rng.random((b, W)) < 0.2, -np.inf, drawn)  # ties, zeros and nodes that cannot be verified
+        v[:, 0] = ANCHOR
+        live, sunk, margin = int(rng.integers(1, b + 1)), float(rng.choice([0.0, 2.0])), float(rng.choice([1.0, 1.15]))
+        slope = float(rng.choice([0.05, 0.5, 3.0]))
+
+        def cost(w, slope=slope):
+            return 10.0 + slope * (w - 1) ** 1.5
+        base = cost(1)
+        want = (math.inf, 1, 0.0, live / (base + margin * sunk))
+        for th in sorted({x for x in v[:, 1:].ravel() if 0 < x < math.inf}, reverse=True):
+            keep = v[:, 1:] >= th
+            width, gain = 1 + int(keep.sum(1).max()), float(v[:, 1:][keep].sum())
+            judged = (live + gain) / (base + margin * (sunk + cost(width) - base))
+            if judged > want[3] * (1 + 1e-12):
+                want = (th, width, gain, judged)
+        got = best_cut(v, live, cost, sunk, margin)
+        assert (got.threshold, got.width) == want[:2] and got.gain == pytest.approx(want[2])
+        assert got.judged == pytest.approx(want[3])
+        assert got.rate == pytest.approx((live + got.gain) / (sunk + cost(got.width)))
+
+
 def test_cost_model_interpolates_extrapolates_and_learns():
     c = CostModel([10.0 * n for n in VERIFY_GRID], 2.0, [5.0, 8.0, 20.0])
     assert c.verify(1, 3, 0) == pytest.approx(30.0) and c.verify(3, 1, 0) == pytest.approx(30.0)

@@ -10,7 +10,7 @@ import torch
 from conftest import make_drafter, make_target, skip_random_drafts_on_lean
 from dflashkit import DecodeConfig, DFlashEngine, DFlashError
 from dflashkit.lookup import LookupParams, SuffixIndex, propose
-from dflashkit.tree import DraftNodes, accept, ancestors, build, chain_nodes, topk_tree, verify_mask
+from dflashkit.tree import DraftNodes, accept, accepted, ancestors, build, chain_nodes, prune, source_counts, topk_tree, verify_mask
 from test_engine import PROMPTS, check_caches_while_decoding, reference_runs, with_oracle
 
 
@@ -18,7 +18,30 @@ def t(rows):
     return torch.tensor(rows, dtype=torch.long)
 
 
-def test_build_merges_a_shared_prefix_and_kills_duplicates():
+def tree_impl(impl: str, monkeypatch) -> None:
+    """The tree's steps as torch ops ("torch") or in one C++ call each ("cpp": topk_tree's beam in
+    kernels/drafttree.cpp; build, verify_mask and accepted in kernels/verifytree.cpp): both are tested."""
+    from dflashkit import kernels
+
+    if impl == "torch":
+        monkeypatch.setattr(kernels, "beam_tree", lambda *a: None)
+        monkeypatch.setattr(kernels, "on_cpu", lambda *a: None)
+    elif not kernels.available():
+        pytest.skip(f"kernels unavailable: {kernels.why_unavailable()}")
+
+
+IMPLS = pytest.mark.parametrize("impl", ["torch", "cpp"])
+
+
+def walk(tree, choices):
+    """(a, path) as the engine gets them (`accepted`: C++ or torch, per `tree_impl`)."""
+    got = accepted(tree, choices)
+    return got.depth, got.path
+
+
+@IMPLS
+def test_build_merges_a_shared_prefix_and_kills_duplicates(impl, monkeypatch):
+    tree_impl(impl, monkeypatch)
     # row 0: branch parts from the chain after 2 shared tokens; row 1: no shared prefix; row 2: branch of 1 token
     chain = t([[10, 11, 12], [10, 11, 12], [10, 11, 12]])
     branch = t([[10, 11, 20, 21], [30, 31, 32, 33], [40, 0, 0, 0]])
@@ -34,7 +57,9 @@ def test_build_merges_a_shared_prefix_and_kills_duplicates():
     assert anc[3].nonzero()[:, 0].tolist() == [0, 1, 2, 3]
 
 
-def test_accept_follows_the_target_choices_down_either_branch():
+@IMPLS
+def test_accept_follows_the_target_choices_down_either_branch(impl, monkeypatch):
+    tree_impl(impl, monkeypatch)
     chain = t([[10, 11, 12], [10, 11, 12], [10, 11, 12]])
     branch = t([[10, 11, 20, 21], [30, 31, 32, 33], [30, 31, 32, 33]])
     tree = build(t([1, 1, 1]), chain_nodes(chain), branch, t([4, 4, 4]))
@@ -44,7 +69,7 @@ def test_accept_follows_the_target_choices_down_either_branch():
         [30, 99, 99, 99, 31, 32, 5, 99],   # the branch from the root: l1..l3, bonus 5
         [10, 11, 12, 8, 99, 99, 99, 99],   # the whole chain, bonus 8
     ])
-    a, path = accept(tree, choices)
+    a, path = walk(tree, choices)
     assert a.tolist() == [4, 3, 3]
     assert path.tolist()[0] == [0, 1, 2, 6, 7]
     assert path.tolist()[1] == [0, 4, 5, 6, 6]
@@ -54,16 +79,20 @@ def test_accept_follows_the_target_choices_down_either_branch():
     assert committed[2, :4].tolist() == [10, 11, 12, 8]
 
 
-def test_dead_nodes_are_never_accepted():
+@IMPLS
+def test_dead_nodes_are_never_accepted(impl, monkeypatch):
+    tree_impl(impl, monkeypatch)
     # the branch duplicates the chain entirely, and row 1's branch is padding only
     tree = build(t([1, 1]), chain_nodes(t([[10, 11], [10, 11]])), t([[10, 11], [0, 0]]), t([2, 0]))
     choices = t([[10, 11, 6, 10, 11], [0, 99, 99, 0, 0]])
-    a, path = accept(tree, choices)
+    a, path = walk(tree, choices)
     assert a.tolist() == [2, 0]
     assert path.tolist()[0] == [0, 1, 2]
 
 
-def test_verify_mask_shows_committed_slots_and_ancestors_only():
+@IMPLS
+def test_verify_mask_shows_committed_slots_and_ancestors_only(impl, monkeypatch):
+    tree_impl(impl, monkeypatch)
     tree = build(t([1]), chain_nodes(t([[10, 11]])), t([[20, 21]]), t([2]))
     m = verify_mask(tree, t([3]), kv_len=9)[0, 0].int()
     # slots 0-2 committed; tree nodes at slots 3.. (anchor, d1, d2, l1, l2); slot 8 is stale
@@ -222,14 +251,6 @@ def node_paths(nodes, r, count):
     return paths
 
 
-def tree_impl(impl: str, monkeypatch) -> None:
-    """topk_tree's beam as torch ops ("torch") or in one C++ call ("cpp", kernels/drafttree.cpp): both are tested."""
-    from dflashkit import kernels
-
-    if impl == "torch":
-        monkeypatch.setattr(kernels, "beam_tree", lambda *a: None)
-    elif not kernels.available():
-        pytest.skip(f"kernels unavailable: {kernels.why_unavailable()}")
 
 
 @pytest.mark.parametrize("impl", ["torch", "cpp"])
@@ -268,16 +289,20 @@ def test_a_pruned_tree_keeps_the_likely_paths_and_pads_the_rest(seed, impl, monk
         assert node_paths(nodes, r, int(kept[r])) == brute_force_best_paths(idx[r] + 100, logp[r], n, math.log(p_min))
 
 
-def test_a_lookup_branch_never_hangs_off_a_dead_node():
+@IMPLS
+def test_a_lookup_branch_never_hangs_off_a_dead_node(impl, monkeypatch):
+    tree_impl(impl, monkeypatch)
     # node 2 is padding (dead) but carries the branch's first token: the branch must start at the anchor
     draft = DraftNodes(t([[10, 11]]), t([[0, 0]]), t([[1, 1]]), 1, alive=torch.tensor([[True, False]]))
     tree = build(t([1]), draft, t([[11, 12]]), t([2]))
     assert tree.parent.tolist()[0] == [0, 0, 0, 0, 3] and tree.alive.tolist()[0] == [True, True, False, True, True]
-    a, path = accept(tree, t([[11, 99, 99, 12, 5]]))
+    a, path = walk(tree, t([[11, 99, 99, 12, 5]]))
     assert a.tolist() == [2] and path.tolist()[0] == [0, 3, 4]
 
 
-def test_a_lookup_branch_merges_into_a_drafter_tree_path():
+@IMPLS
+def test_a_lookup_branch_merges_into_a_drafter_tree_path(impl, monkeypatch):
+    tree_impl(impl, monkeypatch)
     # drafter nodes: 1:[10] 2:[11] (siblings at depth 1), 3:[12] under 1, 4:[13] under 3, 5:[14] under 2
     draft = DraftNodes(t([[10, 11, 12, 13, 14]]), t([[0, 0, 1, 3, 2]]), t([[1, 1, 2, 3, 2]]), 3)
     tree = build(t([1]), draft, t([[11, 14, 20]]), t([3]))  # l1, l2 = path 2 -> 5; l3 parts from it
@@ -285,8 +310,73 @@ def test_a_lookup_branch_merges_into_a_drafter_tree_path():
     assert tree.alive.tolist()[0] == [True] * 6 + [False, False, True]
     assert tree.depth.tolist()[0] == [0, 1, 1, 2, 3, 2, 1, 2, 3]
     choices = t([[11, 99, 14, 99, 99, 20, 99, 99, 7]])  # down node 2, node 5, then the branch's l3, bonus 7
-    a, path = accept(tree, choices)
+    a, path = walk(tree, choices)
     assert a.tolist() == [3] and path.tolist()[0] == [0, 2, 5, 8]  # max depth 3: no repeats
+
+
+def random_tree_inputs(g: random.Random, b: int):
+    """A drafter's nodes (a chain, a top-k tree with or without a floor, or none), a lookup branch that often
+    repeats a drafted path, and target choices that often agree with the nodes: every case of build and accept."""
+    D, K = g.randint(1, 5), g.randint(1, 4)
+    gen = torch.Generator().manual_seed(g.randint(0, 10**6))
+    logp, idx = torch.randn(b, D, 6, generator=gen).mul(2).log_softmax(-1).topk(K, dim=-1)
+    kind = g.choice(["none", "chain", "tree", "floor"])
+    draft = {"none": None, "chain": chain_nodes(idx[:, :, 0] + 10, logp[:, :, 0]),
+             "tree": topk_tree(idx + 10, logp, g.randint(1, D * K)),
+             "floor": topk_tree(idx + 10, logp, g.randint(1, D * K), min_prob=0.1)}[kind]
+    k = g.randint(0 if draft is not None else 1, 5)
+    branch = torch.randint(10, 16, (b, k), generator=gen)
+    if draft is not None and k:  # a branch that spells a drafted path for a while
+        spell = min(k, draft.tokens.shape[1])
+        branch[:, :spell] = torch.where(torch.rand(b, spell, generator=gen) < 0.7, draft.tokens[:, :spell],
+                                        branch[:, :spell])
+    length = torch.randint(0, k + 1, (b,), generator=gen)
+    return t([1] * b), draft, branch, length
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_cpp_tree_steps_equal_the_torch_ones(seed, monkeypatch):
+    """build, prune + accepted, verify_mask and the source counts in kernels/verifytree.cpp give tree.py's torch
+    results exactly on random trees (every field, every row)."""
+    from dflashkit import kernels
+
+    if not kernels.available():
+        pytest.skip(f"kernels unavailable: {kernels.why_unavailable()}")
+    g = random.Random(seed)
+    b = g.randint(1, 4)
+    anchor, draft, branch, length = random_tree_inputs(g, b)
+    fast = build(anchor, draft, branch, length)
+    assert kernels.on_cpu(anchor) is not None
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "on_cpu", lambda *a: None)
+        slow = build(anchor, draft, branch, length)
+    for f in ("tokens", "parent", "depth", "alive", "source", "logp"):
+        x, y = getattr(fast, f), getattr(slow, f)
+        assert (x is None and y is None) or (x.dtype == y.dtype and torch.equal(x, y)), f
+    assert fast.max_depth == slow.max_depth
+    tree = fast
+    if g.random() < 0.4 and tree.width > 1:  # a pruned tree: padding nodes, new indices
+        keep = torch.rand(b, tree.width, generator=torch.Generator().manual_seed(seed)) < 0.6
+        keep[:, 0] = True
+        for _ in range(tree.max_depth):  # prefix-closed, as the policy's cuts are
+            keep &= keep.gather(1, tree.parent)
+        width = int(keep.sum(1).max())
+        tree = prune(tree, keep, width, int(tree.depth[keep].max()))
+    # choices: mostly each node's child token where there is one, so that paths are accepted to various depths
+    choices = torch.randint(10, 16, (b, tree.width), generator=torch.Generator().manual_seed(seed + 1))
+    for r in range(b):
+        for i in range(1, tree.width):
+            if g.random() < 0.7:
+                choices[r, int(tree.parent[r, i])] = tree.tokens[r, i]
+    start = torch.randint(0, 5, (b,), generator=torch.Generator().manual_seed(seed + 2))
+    kv_len = int(start.max()) + tree.width + g.randint(0, 2)
+    got, mask = accepted(tree, choices), verify_mask(tree, start, kv_len)
+    a, path = accept(tree, choices)
+    assert torch.equal(got.depth, a) and torch.equal(got.path, path)
+    assert torch.equal(got.counts, source_counts(tree, a, path[:, :tree.max_depth + 1]))
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "on_cpu", lambda *a: None)
+        assert torch.equal(mask, verify_mask(tree, start, kv_len))
 
 
 @pytest.mark.parametrize("block_size,n,lookup,p_min", [(4, 6, 0, 0), (8, 5, 4, 0), (16, 12, 0, 0), (4, 3, 5, 0),

@@ -32,7 +32,7 @@ from .prefill import PromptPrefill, prefill_context, prefill_groups
 from .proposers import DraftView, DrafterProposer, LookupProposer
 from .sampling import Sampler, SamplingParams
 from .stats import GenerationStats
-from .tree import DraftTree, accept, build, prune, source_counts, verify_mask
+from .tree import DraftTree, accepted, build, prune, verify_mask
 
 _keys = itertools.count()  # `SeqState.key`: unique in the process
 
@@ -376,12 +376,12 @@ class DecodeBatch:
         start: invisible until those positions are committed and rewritten (`cache.py`)."""
         b, R, dev = len(self.seqs), self.span, self.target.device
         left = [0 if s.finished else s.max_new_tokens - len(s.generated) for s in self.seqs]  # tokens still owed
-        a, path = accept(tree, choices)  # path: [b, D+1] node per depth (repeats the end past a)
+        verdict = accepted(tree, choices)
+        a, path = verdict.depth, verdict.path  # path: [b, D+1] node per depth (repeats the end past a)
         path = torch.cat([path, path[:, -1:].expand(b, R - path.shape[1])], dim=1)  # [b, R]
         committed = choices.gather(1, path)  # [b, R]; the first a+1 are this step's tokens
-        # [b, 4] drafted and accepted nodes per source (`tree.source_counts`), read in the same sync
-        counts = source_counts(tree, a, path[:, :tree.max_depth + 1])
-        host = torch.cat([committed, a[:, None], path, counts], dim=1).tolist()  # the one host sync
+        # verdict.counts [b, 4]: drafted and accepted nodes per source (`tree.source_counts`), read in the same sync
+        host = torch.cat([committed, a[:, None], path, verdict.counts], dim=1).tolist()  # the one host sync
         lps = token_logprobs(logits, committed, self.seqs, nodes=path)
         depth = torch.arange(R, device=dev)
         # Bring the accepted path to slot == position (a branch node's K/V sits m slots further right).

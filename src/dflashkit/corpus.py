@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from . import kernels
 from .errors import DFlashError
 
 MAX_N = 8  # the deepest match the index sorts by (and so the longest suffix a query matches)
@@ -80,6 +82,9 @@ class Corpus:
         # Where each token's block starts in `order` (the anchor's range comes straight from here).
         self.starts = np.zeros(self.top + 1, dtype=np.int64)
         np.cumsum(np.bincount(self.padded[self.order], minlength=self.top), out=self.starts[1:])
+        # The same arrays as tensors for the C++ match (views: no copy); its tokens read back as unsigned.
+        signed = np.int16 if self.bits == 16 else np.int32
+        self._tensors = tuple(torch.from_numpy(a) for a in (self.padded.view(signed), self.order, self.starts))
 
     def _pack(self, pos: np.ndarray, back: int, per: int) -> np.ndarray:
         """The tokens at pos - back .. pos - back - per + 1 as one uint64, the nearest in the high bits."""
@@ -137,6 +142,11 @@ class Corpus:
         if ids.size == 0 or max_tokens <= 0:
             return CorpusMatch([], 0, 0)
         max_tokens = min(max_tokens, FORWARD)
+        mod = kernels.on_cpu()
+        if mod is not None:  # the same rules in one C++ call (kernels/corpusmatch.cpp); only the last MAX_N ids count
+            tail = torch.from_numpy(np.ascontiguousarray(ids[-MAX_N:], dtype=np.int64))
+            tokens, n, support, seen = mod.corpus_match(*self._tensors, tail, max_tokens, min_n, MAX_N, SAMPLED)
+            return CorpusMatch(tokens, n, support, seen)
         a = int(ids[-1]) + 1
         if not 0 < a < self.starts.size - 1:  # a token the corpus never holds
             return CorpusMatch([], 0, 0)

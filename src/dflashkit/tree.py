@@ -149,6 +149,11 @@ def build(anchor: torch.Tensor, draft: DraftNodes | None, branch: torch.Tensor, 
     draft = draft or DraftNodes(branch[:, :0], branch[:, :0], branch[:, :0], 0)
     d_tok, d_par, d_dep, dmax = draft.tokens, draft.parent, draft.depth, draft.max_depth
     m = d_tok.shape[1]
+    mod = kernels.on_cpu(anchor, d_tok, branch)
+    if mod is not None:  # the same rule in one C++ call (kernels/verifytree.cpp)
+        alive = torch.empty(0, dtype=torch.bool) if draft.alive is None else draft.alive
+        tok, parent, depth, alive, source = mod.tree_build(anchor, d_tok, d_par, d_dep, alive, dmax, branch, branch_len)
+        return DraftTree(tok, parent, depth, alive, max(dmax, k), source, logp=_tree_logp(draft, k))
     parent = torch.cat([zero, d_par], 1)  # [b, 1+m]
     depth = torch.cat([zero, d_dep], 1)
     # c: the depth of the deepest drafter node whose path from the anchor spells l_1..l_c (the shared prefix).
@@ -178,9 +183,16 @@ def build(anchor: torch.Tensor, draft: DraftNodes | None, branch: torch.Tensor, 
                      source=torch.cat([torch.full((b, 1), SOURCE_ANCHOR, dtype=torch.int8, device=dev),
                                        torch.full((b, m), SOURCE_DRAFTER, dtype=torch.int8, device=dev),
                                        torch.full((b, k), SOURCE_LOOKUP, dtype=torch.int8, device=dev)], 1),
-                     logp=None if draft.logp is None else torch.cat(
-                         [torch.full((b, 1), -math.inf, device=dev), draft.logp.float(),
-                          torch.full((b, k), -math.inf, device=dev)], 1))
+                     logp=_tree_logp(draft, k))
+
+
+def _tree_logp(draft: DraftNodes, k: int) -> torch.Tensor | None:
+    """[b, 1 + m + k] the tree's `logp`: the drafter nodes' path log-probabilities, -inf for the anchor and branch."""
+    if draft.logp is None:
+        return None
+    b, dev = draft.logp.shape[0], draft.logp.device
+    return torch.cat([torch.full((b, 1), -math.inf, device=dev), draft.logp.float(),
+                      torch.full((b, k), -math.inf, device=dev)], 1)
 
 
 def prune(tree: DraftTree, keep: torch.Tensor, width: int, max_depth: int) -> DraftTree:
@@ -218,6 +230,9 @@ def verify_mask(tree: DraftTree, start: torch.Tensor, kv_len: int) -> torch.Tens
     ancestors, found at slots start + node index. Everything else (rejected drafts of earlier steps,
     other branches) stays invisible."""
     b, W = tree.tokens.shape
+    mod = kernels.on_cpu(tree.parent, start)
+    if mod is not None:  # the same mask in one C++ call (kernels/verifytree.cpp)
+        return mod.tree_mask(tree.parent, start, kv_len, tree.max_depth)
     slots = torch.arange(kv_len, device=start.device)
     if W == 1:  # the anchor alone: its own slot is start
         return (slots[None, :] <= start[:, None])[:, None, None, :]
@@ -266,3 +281,24 @@ def accept(tree: DraftTree, choices: torch.Tensor) -> tuple[torch.Tensor, torch.
         path[:, d] = torch.where(above, end, node)
         node = torch.where(above, node, tree.parent.gather(1, node[:, None])[:, 0])
     return a, path
+
+
+@dataclass
+class Accepted:
+    """What verification accepted in each row (`accepted`)."""
+
+    depth: torch.Tensor  # [b] accepted draft tokens a
+    path: torch.Tensor  # [b, D+1] node at each depth 0..D; past a it repeats the end node
+    counts: torch.Tensor  # [b, 4] `source_counts`: drafter / lookup nodes verified, then those accepted
+
+
+def accepted(tree: DraftTree, choices: torch.Tensor) -> Accepted:
+    """`accept` and `source_counts` together: on the CPU in one C++ call (kernels/verifytree.cpp, the same rules)."""
+    mod = kernels.on_cpu(tree.tokens, choices)
+    if mod is not None:
+        source = torch.empty(0, dtype=torch.int8) if tree.source is None else tree.source
+        return Accepted(*mod.tree_accept(tree.tokens, tree.parent, tree.depth, tree.alive, source, choices,
+                                         tree.max_depth))
+    a, path = accept(tree, choices)
+    return Accepted(a, path, source_counts(tree, a, path[:, :tree.max_depth + 1]))
+

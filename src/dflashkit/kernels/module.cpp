@@ -20,6 +20,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("argmax_bf16", &argmax_bf16, nogil, "each row's argmax over bf16 logits, as torch.argmax (argmax.cpp)");
   mod.def("draft_topk", &draft_topk, nogil, "each row's k best ids and log-probabilities (drafttree.cpp)");
   mod.def("beam_tree", &beam_tree, nogil, "the n likeliest paths through a drafter's top-k per slot (drafttree.cpp)");
+  mod.def("tree_build", &tree_build, "the verify tree from drafter nodes and a lookup branch (verifytree.cpp)");
+  mod.def("tree_mask", &tree_mask, "each verify node's visible slots: committed ones and its ancestors (verifytree.cpp)");
+  mod.def("tree_accept", &tree_accept, "the accepted path and the per-source counts (verifytree.cpp)");
+  mod.def("corpus_match", &corpus_match, nogil, "Corpus.match's longest suffix and its continuation (corpusmatch.cpp)");
   mod.def("rowlinear_isa", &rowlinear_isa, "which instruction set rowlinear's bf16 path runs on this CPU");
   mod.def("rowlinear_set_isa", &rowlinear_set_isa, "'avx2': rowlinear's 8-lane path; 'avx512bf16': no AMX; 'auto': the best");
   register_stack(mod);  // Stack: a Llama-style target's decoder layers in one call (layers.cpp)

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <string>
 #include <utility>
+#include <vector>
 
 // y = x @ W^T, every row computed alike whatever the row count (rowlinear.cpp)
 torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
@@ -73,6 +74,21 @@ torch::Tensor argmax_bf16(torch::Tensor logits);
 std::tuple<torch::Tensor, torch::Tensor> draft_topk(torch::Tensor logits, int64_t k);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> beam_tree(
     torch::Tensor tokens, torch::Tensor logp, int64_t n, double log_min_prob);
+// the verify step's tree: built from drafter nodes and a lookup branch, each node's visible slots, the accepted path
+// with the drafted / accepted counts per source (verifytree.cpp; the rules of tree.py)
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> tree_build(
+    torch::Tensor anchor, torch::Tensor d_tok, torch::Tensor d_par, torch::Tensor d_dep, torch::Tensor d_alive,
+    int64_t d_max, torch::Tensor branch, torch::Tensor branch_len);
+torch::Tensor tree_mask(torch::Tensor parent, torch::Tensor start, int64_t kv_len, int64_t max_depth);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> tree_accept(torch::Tensor tokens, torch::Tensor parent,
+                                                                     torch::Tensor depth, torch::Tensor alive,
+                                                                     torch::Tensor source, torch::Tensor choices,
+                                                                     int64_t max_depth);
+// corpus.py `Corpus.match` in one call: (tokens, matched n, support, occurrences read) (corpusmatch.cpp)
+std::tuple<std::vector<int64_t>, int64_t, int64_t, int64_t> corpus_match(torch::Tensor padded, torch::Tensor order,
+                                                                          torch::Tensor starts, torch::Tensor ids,
+                                                                          int64_t max_tokens, int64_t min_n,
+                                                                          int64_t max_n, int64_t sampled);
 std::string rowlinear_isa();
 std::string rowlinear_set_isa(const std::string& isa);
 bool dflashkit_avx2_forced();  // rowlinear_set_isa("avx2") also keeps qlinear on its AVX2 tile (same bits there)

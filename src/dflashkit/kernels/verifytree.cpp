@@ -1,0 +1,162 @@
+// The verify step's tree work in one call each, where tree.py spends ~10-40 small torch ops: the tree from the
+// drafter's nodes and the lookup branch (`tree_build`), each node's visible slots (`tree_mask`), and the accepted
+// path with the per-source counts (`tree_accept`). The same rules as tree.py's `build`, `verify_mask`, `accept` and
+// `source_counts`, which stay for other devices and for the tests that compare the two.
+//
+// Why: right after a target step (it streams ~100 MB of weights through the caches) a small torch op costs 5-10 us;
+// these four took ~380 us of a ~6.5 ms step of the default system at batch 1 (AMD EPYC).
+//
+// Where tree.py iterates a fixed number of rounds (a node on the branch's / accepted path iff it and its ancestors
+// match, rounds = the deepest depth), so do these: the same result for any parent order.
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+constexpr int8_t kAnchor = 0, kDrafter = 1, kLookup = 2;  // tree.py SOURCE_*
+
+// on[i] = ok[i] && on[parent[i]], `rounds` times from on = ok (node 0 always on): tree.py's loops over max_depth.
+void on_path(const std::vector<char>& ok, const int64_t* parent, int64_t W, int64_t rounds, std::vector<char>& on) {
+  on = ok;
+  std::vector<char> prev(W);
+  for (int64_t r = 0; r < rounds; ++r) {
+    prev = on;
+    for (int64_t i = 0; i < W; ++i) on[i] = ok[i] && prev[parent[i]];
+  }
+}
+
+// The deepest node that is on (the first one at that depth): (depth, node). Node 0 is always on.
+std::pair<int64_t, int64_t> deepest(const std::vector<char>& on, const int64_t* depth, int64_t W) {
+  int64_t c = -1, at = 0;
+  for (int64_t i = 0; i < W; ++i) {
+    const int64_t s = on[i] ? depth[i] : -1;
+    if (s > c) c = s, at = i;
+  }
+  return {c, at};
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> tree_build(
+    torch::Tensor anchor, torch::Tensor d_tok, torch::Tensor d_par, torch::Tensor d_dep, torch::Tensor d_alive,
+    int64_t d_max, torch::Tensor branch, torch::Tensor branch_len) {
+  const int64_t b = anchor.size(0), m = d_tok.size(1), k = branch.size(1), W = 1 + m + k;
+  TORCH_CHECK(anchor.scalar_type() == torch::kLong && d_tok.scalar_type() == torch::kLong &&
+                  d_par.scalar_type() == torch::kLong && d_dep.scalar_type() == torch::kLong &&
+                  branch.scalar_type() == torch::kLong && branch_len.scalar_type() == torch::kLong,
+              "tree_build: int64 tokens, parents, depths and lengths");
+  TORCH_CHECK(d_tok.size(0) == b && d_par.sizes() == d_tok.sizes() && d_dep.sizes() == d_tok.sizes() &&
+                  branch.size(0) == b && branch_len.size(0) == b &&
+                  (d_alive.numel() == 0 || (d_alive.scalar_type() == torch::kBool && d_alive.sizes() == d_tok.sizes())),
+              "tree_build: drafter nodes [b, m] (alive [b, m] bool or empty), anchor [b], branch [b, k], lengths [b]");
+  const torch::Tensor an = anchor.contiguous(), dt = d_tok.contiguous(), dp = d_par.contiguous(),
+                      dd = d_dep.contiguous(), br = branch.contiguous(), bl = branch_len.contiguous();
+  const torch::Tensor da = d_alive.numel() ? d_alive.contiguous() : d_alive;
+  const auto opt = an.options();
+  torch::Tensor tok = torch::empty({b, W}, opt), parent = torch::empty({b, W}, opt), depth = torch::empty({b, W}, opt);
+  torch::Tensor alive = torch::empty({b, W}, opt.dtype(torch::kBool)), source = torch::empty({b, W}, opt.dtype(torch::kChar));
+  std::vector<char> match(1 + m), on;
+  for (int64_t r = 0; r < b; ++r) {
+    int64_t *t = tok.data_ptr<int64_t>() + r * W, *p = parent.data_ptr<int64_t>() + r * W;
+    int64_t* d = depth.data_ptr<int64_t>() + r * W;
+    bool* a = alive.data_ptr<bool>() + r * W;
+    int8_t* s = source.data_ptr<int8_t>() + r * W;
+    const int64_t* l = br.data_ptr<int64_t>() + r * k;
+    const int64_t len = bl.data_ptr<int64_t>()[r];
+    t[0] = an.data_ptr<int64_t>()[r], p[0] = 0, d[0] = 0, a[0] = true, s[0] = kAnchor;
+    for (int64_t i = 0; i < m; ++i) {
+      t[1 + i] = dt.data_ptr<int64_t>()[r * m + i], p[1 + i] = dp.data_ptr<int64_t>()[r * m + i];
+      d[1 + i] = dd.data_ptr<int64_t>()[r * m + i], s[1 + i] = kDrafter;
+      a[1 + i] = da.numel() ? da.data_ptr<bool>()[r * m + i] : true;
+    }
+    // c: the depth of the deepest drafter node whose path spells l_1..l_c; the branch hangs off it (`attach`).
+    match.assign(1 + m, 0);
+    match[0] = 1;
+    if (m && k)
+      for (int64_t i = 1; i <= m; ++i)
+        match[i] = d[i] <= len && d[i] <= k && d[i] >= 1 && t[i] == l[d[i] - 1] && a[i];
+    on_path(match, p, 1 + m, m && k ? d_max : 0, on);
+    const auto [c, attach] = deepest(on, d, 1 + m);
+    for (int64_t j = 1; j <= k; ++j) {
+      const int64_t i = m + j;
+      t[i] = l[j - 1], d[i] = j, s[i] = kLookup;
+      p[i] = j == c + 1 ? attach : m + j - 1;
+      a[i] = j > c && j <= len;
+    }
+  }
+  return {tok, parent, depth, alive, source};
+}
+
+torch::Tensor tree_mask(torch::Tensor parent, torch::Tensor start, int64_t kv_len, int64_t max_depth) {
+  TORCH_CHECK(parent.dim() == 2 && parent.scalar_type() == torch::kLong && start.scalar_type() == torch::kLong &&
+                  start.numel() == parent.size(0),
+              "tree_mask: parent [b, W] and start [b], int64");
+  const torch::Tensor pa = parent.contiguous(), st = start.contiguous();
+  const int64_t b = pa.size(0), W = pa.size(1);
+  torch::Tensor mask = torch::zeros({b, 1, W, kv_len}, pa.options().dtype(torch::kBool));
+  for (int64_t r = 0; r < b; ++r) {
+    const int64_t s0 = st.data_ptr<int64_t>()[r];
+    const int64_t* p = pa.data_ptr<int64_t>() + r * W;
+    TORCH_CHECK(s0 >= 0 && s0 + W <= kv_len, "tree_mask: a row's tree runs past kv_len");
+    for (int64_t q = 0; q < W; ++q) {
+      bool* row = mask.data_ptr<bool>() + (r * W + q) * kv_len;
+      std::fill(row, row + s0, true);
+      // The node and its ancestors, found in max_depth + 1 rounds (tree.py `ancestors`).
+      int64_t node = q;
+      for (int64_t i = 0; i <= max_depth; ++i) row[s0 + node] = true, node = p[node];
+    }
+  }
+  return mask;
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> tree_accept(torch::Tensor tokens, torch::Tensor parent,
+                                                                     torch::Tensor depth, torch::Tensor alive,
+                                                                     torch::Tensor source, torch::Tensor choices,
+                                                                     int64_t max_depth) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong && parent.scalar_type() == torch::kLong &&
+                  depth.scalar_type() == torch::kLong && choices.scalar_type() == torch::kLong &&
+                  alive.scalar_type() == torch::kBool && parent.sizes() == tokens.sizes() &&
+                  depth.sizes() == tokens.sizes() && alive.sizes() == tokens.sizes() &&
+                  choices.sizes() == tokens.sizes() &&
+                  (source.numel() == 0 || (source.scalar_type() == torch::kChar && source.sizes() == tokens.sizes())),
+              "tree_accept: tokens, parent, depth, choices int64 [b, W], alive bool, source int8 [b, W] or empty");
+  const torch::Tensor tk = tokens.contiguous(), pa = parent.contiguous(), de = depth.contiguous(),
+                      al = alive.contiguous(), ch = choices.contiguous();
+  const torch::Tensor so = source.numel() ? source.contiguous() : source;
+  const int64_t b = tk.size(0), W = tk.size(1), D = W == 1 ? 0 : max_depth;  // the anchor alone: path [b, 1]
+  const auto opt = tk.options();
+  torch::Tensor acc = torch::empty({b}, opt), path = torch::empty({b, D + 1}, opt);
+  torch::Tensor counts = torch::zeros({b, 4}, opt);
+  std::vector<char> ok(W), on;
+  for (int64_t r = 0; r < b; ++r) {
+    const int64_t *t = tk.data_ptr<int64_t>() + r * W, *p = pa.data_ptr<int64_t>() + r * W;
+    const int64_t *d = de.data_ptr<int64_t>() + r * W, *c = ch.data_ptr<int64_t>() + r * W;
+    const bool* a = al.data_ptr<bool>() + r * W;
+    // A node is ok where the target chose its token at its parent; on the path iff it and its ancestors are ok.
+    for (int64_t i = 0; i < W; ++i) ok[i] = i == 0 || (a[i] && t[i] == c[p[i]]);
+    on_path(ok, p, W, D, on);
+    const auto [got, end] = deepest(on, d, W);
+    int64_t* path_r = path.data_ptr<int64_t>() + r * (D + 1);
+    int64_t node = end;
+    for (int64_t j = D; j >= 0; --j) {  // walk up from the end; depths past the accepted one repeat the end
+      if (j > got) {
+        path_r[j] = end;
+      } else {
+        path_r[j] = node, node = p[node];
+      }
+    }
+    acc.data_ptr<int64_t>()[r] = got;
+    if (so.numel() && W > 1) {  // drafted and accepted nodes per source (tree.py `source_counts`)
+      const int8_t* s = so.data_ptr<int8_t>() + r * W;
+      int64_t* n = counts.data_ptr<int64_t>() + r * 4;
+      for (int64_t i = 0; i < W; ++i) n[0] += a[i] && s[i] == kDrafter, n[1] += a[i] && s[i] == kLookup;
+      for (int64_t j = 1; j <= got; ++j) n[2] += s[path_r[j]] == kDrafter, n[3] += s[path_r[j]] == kLookup;
+    }
+  }
+  return {acc, path, counts};
+}
