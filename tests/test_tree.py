@@ -35,8 +35,9 @@ IMPLS = pytest.mark.parametrize("impl", ["torch", "cpp"])
 
 def walk(tree, choices):
     """(a, path) as the engine gets them (`accepted`: C++ or torch, per `tree_impl`)."""
-    got = accepted(tree, choices)
-    return got.depth, got.path
+    got = accepted(tree, choices, tree.max_depth + 1)
+    assert got.nodes == got.path.tolist() and got.tokens == choices.gather(1, got.path).tolist()
+    return torch.tensor(got.depth), got.path
 
 
 @IMPLS
@@ -370,13 +371,18 @@ def test_the_cpp_tree_steps_equal_the_torch_ones(seed, monkeypatch):
                 choices[r, int(tree.parent[r, i])] = tree.tokens[r, i]
     start = torch.randint(0, 5, (b,), generator=torch.Generator().manual_seed(seed + 2))
     kv_len = int(start.max()) + tree.width + g.randint(0, 2)
-    got, mask = accepted(tree, choices), verify_mask(tree, start, kv_len)
+    span = tree.max_depth + 1 + g.randint(0, 2)  # the batch's span may exceed this tree's depth: padded paths
+    got, mask = accepted(tree, choices, span), verify_mask(tree, start, kv_len)
     a, path = accept(tree, choices)
-    assert torch.equal(got.depth, a) and torch.equal(got.path, path)
-    assert torch.equal(got.counts, source_counts(tree, a, path[:, :tree.max_depth + 1]))
+    assert got.depth == a.tolist() and torch.equal(got.path[:, :path.shape[1]], path)
+    assert got.counts == source_counts(tree, a, path).tolist()
     with monkeypatch.context() as m:
         m.setattr(kernels, "on_cpu", lambda *a: None)
         assert torch.equal(mask, verify_mask(tree, start, kv_len))
+        slow = accepted(tree, choices, span)
+    for f in ("tokens", "depth", "nodes", "counts"):
+        assert getattr(got, f) == getattr(slow, f), f
+    assert torch.equal(got.path, slow.path) and got.nodes == got.path.tolist()
 
 
 @pytest.mark.parametrize("block_size,n,lookup,p_min", [(4, 6, 0, 0), (8, 5, 4, 0), (16, 12, 0, 0), (4, 3, 5, 0),

@@ -376,18 +376,13 @@ class DecodeBatch:
         start: invisible until those positions are committed and rewritten (`cache.py`)."""
         b, R, dev = len(self.seqs), self.span, self.target.device
         left = [0 if s.finished else s.max_new_tokens - len(s.generated) for s in self.seqs]  # tokens still owed
-        verdict = accepted(tree, choices)
-        a, path = verdict.depth, verdict.path  # path: [b, D+1] node per depth (repeats the end past a)
-        path = torch.cat([path, path[:, -1:].expand(b, R - path.shape[1])], dim=1)  # [b, R]
-        committed = choices.gather(1, path)  # [b, R]; the first a+1 are this step's tokens
-        # verdict.counts [b, 4]: drafted and accepted nodes per source (`tree.source_counts`), read in the same sync
-        host = torch.cat([committed, a[:, None], path, verdict.counts], dim=1).tolist()  # the one host sync
-        lps = token_logprobs(logits, committed, self.seqs, nodes=path)
+        got = accepted(tree, choices, R)  # the path [b, R] on the device; tokens, depths, nodes, counts on the host
+        lps = token_logprobs(logits, got.tokens, self.seqs, nodes=got.path)
         depth = torch.arange(R, device=dev)
         # Bring the accepted path to slot == position (a branch node's K/V sits m slots further right).
-        if any(row[R + 1 + d] != d for row in host for d in range(row[R] + 1)):
-            keep = depth[None] <= a[:, None]
-            src = self.start[:, None] + torch.where(keep, path, depth[None])
+        if any(nodes[d] != d for nodes, a in zip(got.nodes, got.depth) for d in range(a + 1)):
+            keep = depth[None] <= torch.tensor(got.depth, device=dev)[:, None]
+            src = self.start[:, None] + torch.where(keep, got.path, depth[None])
             self.tcache.move(src, self.start[:, None] + depth[None])
         if self.drafter is not None:
             # The drafter's context: the accepted path's features at their positions. Past a, `path` repeats the
@@ -396,31 +391,33 @@ class DecodeBatch:
             if D1 == 1:  # the anchor alone (a plain step): its feature, at its own position; no gather to pay
                 self.dstate.append(feats[:, :1], self.start[:, None])
             else:
-                self.dstate.append(feats.gather(1, path[:, :D1, None].expand(b, D1, feats.shape[-1])),
-                                   self.start[:, None] + torch.minimum(depth[None, :D1], a[:, None]))
-        self.anchor = committed.gather(1, a[:, None])[:, 0]  # the bonus token: the next anchor
+                # self.starts: `start` on the host
+                pos = [[s + min(d, a) for d in range(D1)] for s, a in zip(self.starts, got.depth)]
+                self.dstate.append(feats.gather(1, got.path[:, :D1, None].expand(b, D1, feats.shape[-1])),
+                                   torch.tensor(pos, device=dev))
+        self.anchor = torch.tensor([t[a] for t, a in zip(got.tokens, got.depth)], device=dev)  # the bonus: next anchor
         # Why capped by what each row is still owed: a row whose budget ends inside the accepted path finishes and
         # rides along frozen until compaction; its start must stay within prompt + max_new_tokens, or the next
         # verify's slots (start + tree width) run past the cache, which is sized by exactly that. Finished rows: 0.
-        advance = [min(int(row[R]) + 1, n) for row, n in zip(host, left)]
-        self.start = self.start + torch.tensor(advance, device=dev)
+        advance = [min(a + 1, n) for a, n in zip(got.depth, left)]
+        self.starts = [s + n for s, n in zip(self.starts, advance)]
+        self.start = torch.tensor(self.starts, device=dev)
         now = time.perf_counter()
         out = []
-        for i, (s, row) in enumerate(zip(self.seqs, host)):
+        for i, s in enumerate(self.seqs):
             if s.finished:
                 continue
-            a_i = int(row[R])
-            self.starts[i] += advance[i]
+            a_i = got.depth[i]
             s.stats.accepted.append(a_i)
-            s.stats.count_drafts(*row[2 * R + 1: 2 * R + 5])
-            out.append(s.commit(row[: a_i + 1], self.eos_ids, self.tokenizer, lps[i][: a_i + 1] if lps else None))
+            s.stats.count_drafts(*got.counts[i])
+            out.append(s.commit(got.tokens[i][: a_i + 1], self.eos_ids, self.tokenizer,
+                                lps[i][: a_i + 1] if lps else None))
             s.stats.decode_s = now - s.t_first
-        outcome = StepOutcome(tokens=[row[:R] for row in host], accepted=[int(row[R]) for row in host],
-                              path=[row[R + 1: 2 * R + 1] for row in host], live=live, ms=0.0)
+        outcome = StepOutcome(tokens=got.tokens, accepted=got.depth, path=got.nodes, live=live, ms=0.0)
         return out, outcome
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[SeqState],
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor | list, seqs: list[SeqState],
                    nodes: torch.Tensor | None = None) -> list | None:
     """logits [b, W, V] (the rows of `nodes` [b, T] if given, else all W = T), tokens [b, T] -> per row, per token:
     (its log-probability under the target's raw distribution, the k most likely (id, log-probability)), k = the
@@ -431,6 +428,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[SeqSta
     if nodes is not None:
         logits = logits.gather(1, nodes[:, :, None].expand(*nodes.shape, logits.shape[-1]))
     lp = logits.float().log_softmax(-1)
+    tokens = torch.as_tensor(tokens, device=logits.device)
     chosen = lp.gather(-1, tokens[..., None])[..., 0].tolist()
     top_v, top_i = lp.topk(max(max(ks), 1), dim=-1)
     top_v, top_i = top_v.tolist(), top_i.tolist()

@@ -41,6 +41,8 @@ from . import kernels
 
 
 SOURCE_ANCHOR, SOURCE_DRAFTER, SOURCE_LOOKUP = 0, 1, 2  # `DraftTree.source`: what the stats count per source
+# the C++ calls' "none" (no drafter nodes, all alive, no sources)
+_NONE, _NONE_ALIVE, _NONE_SOURCE = (torch.empty(0, dtype=d) for d in (torch.long, torch.bool, torch.int8))
 
 
 @dataclass
@@ -146,14 +148,17 @@ def build(anchor: torch.Tensor, draft: DraftNodes | None, branch: torch.Tensor, 
     if draft is None and k == 0:  # a plain step (most steps where speculation does not pay): the anchor alone
         return DraftTree(tokens=anchor[:, None], parent=zero, depth=zero,
                          alive=torch.ones(b, 1, dtype=torch.bool, device=dev), max_depth=0)
+    mod = kernels.on_cpu(anchor, branch)
+    if mod is not None:  # the same rule in one C++ call (kernels/verifytree.cpp); empty tensors: no such nodes
+        nodes = (_NONE,) * 3 if draft is None else (draft.tokens, draft.parent, draft.depth)
+        alive = _NONE_ALIVE if draft is None or draft.alive is None else draft.alive
+        dmax = 0 if draft is None else draft.max_depth
+        tok, parent, depth, alive, source = mod.tree_build(anchor, *nodes, alive, dmax, branch, branch_len)
+        return DraftTree(tok, parent, depth, alive, max(dmax, k), source,
+                         logp=None if draft is None else _tree_logp(draft, k))
     draft = draft or DraftNodes(branch[:, :0], branch[:, :0], branch[:, :0], 0)
     d_tok, d_par, d_dep, dmax = draft.tokens, draft.parent, draft.depth, draft.max_depth
     m = d_tok.shape[1]
-    mod = kernels.on_cpu(anchor, d_tok, branch)
-    if mod is not None:  # the same rule in one C++ call (kernels/verifytree.cpp)
-        alive = torch.empty(0, dtype=torch.bool) if draft.alive is None else draft.alive
-        tok, parent, depth, alive, source = mod.tree_build(anchor, d_tok, d_par, d_dep, alive, dmax, branch, branch_len)
-        return DraftTree(tok, parent, depth, alive, max(dmax, k), source, logp=_tree_logp(draft, k))
     parent = torch.cat([zero, d_par], 1)  # [b, 1+m]
     depth = torch.cat([zero, d_dep], 1)
     # c: the depth of the deepest drafter node whose path from the anchor spells l_1..l_c (the shared prefix).
@@ -285,20 +290,28 @@ def accept(tree: DraftTree, choices: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 @dataclass
 class Accepted:
-    """What verification accepted in each row (`accepted`)."""
+    """What verification accepted in each row (`accepted`): the path as a tensor, the rest on the host."""
 
-    depth: torch.Tensor  # [b] accepted draft tokens a
-    path: torch.Tensor  # [b, D+1] node at each depth 0..D; past a it repeats the end node
-    counts: torch.Tensor  # [b, 4] `source_counts`: drafter / lookup nodes verified, then those accepted
+    path: torch.Tensor  # [b, R] the node at each depth 0..R-1; past the accepted depth it repeats the end node
+    tokens: list[list[int]]  # [b][R] the target's choice at each path node: the first a+1 are the step's tokens
+    depth: list[int]  # [b] the accepted depth a (drafted tokens on the path)
+    nodes: list[list[int]]  # [b][R] `path` on the host
+    counts: list[list[int]]  # [b][4] `source_counts`: drafter / lookup nodes verified, then those accepted
 
 
-def accepted(tree: DraftTree, choices: torch.Tensor) -> Accepted:
-    """`accept` and `source_counts` together: on the CPU in one C++ call (kernels/verifytree.cpp, the same rules)."""
+def accepted(tree: DraftTree, choices: torch.Tensor, span: int) -> Accepted:
+    """`accept` and `source_counts` for a path of `span` >= max_depth + 1 entries, read to the host: on the CPU in
+    one C++ call (kernels/verifytree.cpp, the same rules), elsewhere by torch ops and one host read."""
     mod = kernels.on_cpu(tree.tokens, choices)
     if mod is not None:
-        source = torch.empty(0, dtype=torch.int8) if tree.source is None else tree.source
+        source = _NONE_SOURCE if tree.source is None else tree.source
         return Accepted(*mod.tree_accept(tree.tokens, tree.parent, tree.depth, tree.alive, source, choices,
-                                         tree.max_depth))
+                                         tree.max_depth, span))
     a, path = accept(tree, choices)
-    return Accepted(a, path, source_counts(tree, a, path[:, :tree.max_depth + 1]))
-
+    b = path.shape[0]
+    counts = source_counts(tree, a, path)
+    path = torch.cat([path, path[:, -1:].expand(b, span - path.shape[1])], dim=1)  # [b, span]
+    committed = choices.gather(1, path)
+    host = torch.cat([committed, a[:, None], path, counts], dim=1).tolist()  # the one host read
+    return Accepted(path, [r[:span] for r in host], [r[span] for r in host], [r[span + 1:2 * span + 1] for r in host],
+                    [r[2 * span + 1:] for r in host])

@@ -80,10 +80,12 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
     torch::Tensor anchor, torch::Tensor d_tok, torch::Tensor d_par, torch::Tensor d_dep, torch::Tensor d_alive,
     int64_t d_max, torch::Tensor branch, torch::Tensor branch_len);
 torch::Tensor tree_mask(torch::Tensor parent, torch::Tensor start, int64_t kv_len, int64_t max_depth);
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> tree_accept(torch::Tensor tokens, torch::Tensor parent,
-                                                                     torch::Tensor depth, torch::Tensor alive,
-                                                                     torch::Tensor source, torch::Tensor choices,
-                                                                     int64_t max_depth);
+// tree_accept: the path [b, span] as a tensor, then on the host per row: the committed tokens [span] (the target's
+// choice at each path node), the accepted depth, the path's nodes [span], the 4 per-source counts
+using AcceptedRows = std::tuple<torch::Tensor, std::vector<std::vector<int64_t>>, std::vector<int64_t>,
+                                std::vector<std::vector<int64_t>>, std::vector<std::vector<int64_t>>>;
+AcceptedRows tree_accept(torch::Tensor tokens, torch::Tensor parent, torch::Tensor depth, torch::Tensor alive,
+                         torch::Tensor source, torch::Tensor choices, int64_t max_depth, int64_t span);
 // corpus.py `Corpus.match` in one call: (tokens, matched n, support, occurrences read) (corpusmatch.cpp)
 std::tuple<std::vector<int64_t>, int64_t, int64_t, int64_t> corpus_match(torch::Tensor padded, torch::Tensor order,
                                                                           torch::Tensor starts, torch::Tensor ids,

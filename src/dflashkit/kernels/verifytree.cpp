@@ -45,6 +45,11 @@ std::pair<int64_t, int64_t> deepest(const std::vector<char>& on, const int64_t* 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> tree_build(
     torch::Tensor anchor, torch::Tensor d_tok, torch::Tensor d_par, torch::Tensor d_dep, torch::Tensor d_alive,
     int64_t d_max, torch::Tensor branch, torch::Tensor branch_len) {
+  // No drafter nodes: empty tensors of any shape (m = 0).
+  if (d_tok.numel() == 0) {
+    d_tok = d_par = d_dep = torch::empty({anchor.size(0), 0}, anchor.options());
+    d_alive = torch::Tensor();
+  }
   const int64_t b = anchor.size(0), m = d_tok.size(1), k = branch.size(1), W = 1 + m + k;
   TORCH_CHECK(anchor.scalar_type() == torch::kLong && d_tok.scalar_type() == torch::kLong &&
                   d_par.scalar_type() == torch::kLong && d_dep.scalar_type() == torch::kLong &&
@@ -52,14 +57,16 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
               "tree_build: int64 tokens, parents, depths and lengths");
   TORCH_CHECK(d_tok.size(0) == b && d_par.sizes() == d_tok.sizes() && d_dep.sizes() == d_tok.sizes() &&
                   branch.size(0) == b && branch_len.size(0) == b &&
-                  (d_alive.numel() == 0 || (d_alive.scalar_type() == torch::kBool && d_alive.sizes() == d_tok.sizes())),
+                  (!d_alive.defined() || d_alive.numel() == 0 ||
+                   (d_alive.scalar_type() == torch::kBool && d_alive.sizes() == d_tok.sizes())),
               "tree_build: drafter nodes [b, m] (alive [b, m] bool or empty), anchor [b], branch [b, k], lengths [b]");
   const torch::Tensor an = anchor.contiguous(), dt = d_tok.contiguous(), dp = d_par.contiguous(),
                       dd = d_dep.contiguous(), br = branch.contiguous(), bl = branch_len.contiguous();
-  const torch::Tensor da = d_alive.numel() ? d_alive.contiguous() : d_alive;
+  const torch::Tensor da = d_alive.defined() && d_alive.numel() ? d_alive.contiguous() : torch::Tensor();
   const auto opt = an.options();
   torch::Tensor tok = torch::empty({b, W}, opt), parent = torch::empty({b, W}, opt), depth = torch::empty({b, W}, opt);
-  torch::Tensor alive = torch::empty({b, W}, opt.dtype(torch::kBool)), source = torch::empty({b, W}, opt.dtype(torch::kChar));
+  torch::Tensor alive = torch::empty({b, W}, opt.dtype(torch::kBool));
+  torch::Tensor source = torch::empty({b, W}, opt.dtype(torch::kChar));
   std::vector<char> match(1 + m), on;
   for (int64_t r = 0; r < b; ++r) {
     int64_t *t = tok.data_ptr<int64_t>() + r * W, *p = parent.data_ptr<int64_t>() + r * W;
@@ -72,7 +79,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
     for (int64_t i = 0; i < m; ++i) {
       t[1 + i] = dt.data_ptr<int64_t>()[r * m + i], p[1 + i] = dp.data_ptr<int64_t>()[r * m + i];
       d[1 + i] = dd.data_ptr<int64_t>()[r * m + i], s[1 + i] = kDrafter;
-      a[1 + i] = da.numel() ? da.data_ptr<bool>()[r * m + i] : true;
+      a[1 + i] = da.defined() ? da.data_ptr<bool>()[r * m + i] : true;
     }
     // c: the depth of the deepest drafter node whose path spells l_1..l_c; the branch hangs off it (`attach`).
     match.assign(1 + m, 0);
@@ -114,10 +121,8 @@ torch::Tensor tree_mask(torch::Tensor parent, torch::Tensor start, int64_t kv_le
   return mask;
 }
 
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> tree_accept(torch::Tensor tokens, torch::Tensor parent,
-                                                                     torch::Tensor depth, torch::Tensor alive,
-                                                                     torch::Tensor source, torch::Tensor choices,
-                                                                     int64_t max_depth) {
+AcceptedRows tree_accept(torch::Tensor tokens, torch::Tensor parent, torch::Tensor depth, torch::Tensor alive,
+                         torch::Tensor source, torch::Tensor choices, int64_t max_depth, int64_t span) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong && parent.scalar_type() == torch::kLong &&
                   depth.scalar_type() == torch::kLong && choices.scalar_type() == torch::kLong &&
                   alive.scalar_type() == torch::kBool && parent.sizes() == tokens.sizes() &&
@@ -128,10 +133,14 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> tree_accept(torch::Tenso
   const torch::Tensor tk = tokens.contiguous(), pa = parent.contiguous(), de = depth.contiguous(),
                       al = alive.contiguous(), ch = choices.contiguous();
   const torch::Tensor so = source.numel() ? source.contiguous() : source;
-  const int64_t b = tk.size(0), W = tk.size(1), D = W == 1 ? 0 : max_depth;  // the anchor alone: path [b, 1]
-  const auto opt = tk.options();
-  torch::Tensor acc = torch::empty({b}, opt), path = torch::empty({b, D + 1}, opt);
-  torch::Tensor counts = torch::zeros({b, 4}, opt);
+  const int64_t b = tk.size(0), W = tk.size(1), D = W == 1 ? 0 : max_depth;  // the anchor alone: depth 0
+  TORCH_CHECK(span >= D + 1, "tree_accept: span must hold the deepest path (max_depth + 1)");
+  torch::Tensor path = torch::empty({b, span}, tk.options());
+  AcceptedRows out;
+  auto& [path_t, committed, got, nodes, counts] = out;
+  path_t = path;
+  committed.assign(b, std::vector<int64_t>(span)), got.assign(b, 0), nodes.assign(b, std::vector<int64_t>(span));
+  counts.assign(b, std::vector<int64_t>(4, 0));
   std::vector<char> ok(W), on;
   for (int64_t r = 0; r < b; ++r) {
     const int64_t *t = tk.data_ptr<int64_t>() + r * W, *p = pa.data_ptr<int64_t>() + r * W;
@@ -140,23 +149,23 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> tree_accept(torch::Tenso
     // A node is ok where the target chose its token at its parent; on the path iff it and its ancestors are ok.
     for (int64_t i = 0; i < W; ++i) ok[i] = i == 0 || (a[i] && t[i] == c[p[i]]);
     on_path(ok, p, W, D, on);
-    const auto [got, end] = deepest(on, d, W);
-    int64_t* path_r = path.data_ptr<int64_t>() + r * (D + 1);
+    const auto [deep, end] = deepest(on, d, W);
+    std::vector<int64_t>& n = nodes[r];
     int64_t node = end;
-    for (int64_t j = D; j >= 0; --j) {  // walk up from the end; depths past the accepted one repeat the end
-      if (j > got) {
-        path_r[j] = end;
+    for (int64_t j = span - 1; j >= 0; --j) {  // walk up from the end; depths past the accepted one repeat the end
+      if (j > deep) {
+        n[j] = end;
       } else {
-        path_r[j] = node, node = p[node];
+        n[j] = node, node = p[node];
       }
     }
-    acc.data_ptr<int64_t>()[r] = got;
+    got[r] = deep;
+    for (int64_t j = 0; j < span; ++j) path.data_ptr<int64_t>()[r * span + j] = n[j], committed[r][j] = c[n[j]];
     if (so.numel() && W > 1) {  // drafted and accepted nodes per source (tree.py `source_counts`)
       const int8_t* s = so.data_ptr<int8_t>() + r * W;
-      int64_t* n = counts.data_ptr<int64_t>() + r * 4;
-      for (int64_t i = 0; i < W; ++i) n[0] += a[i] && s[i] == kDrafter, n[1] += a[i] && s[i] == kLookup;
-      for (int64_t j = 1; j <= got; ++j) n[2] += s[path_r[j]] == kDrafter, n[3] += s[path_r[j]] == kLookup;
+      for (int64_t i = 0; i < W; ++i) counts[r][0] += a[i] && s[i] == kDrafter, counts[r][1] += a[i] && s[i] == kLookup;
+      for (int64_t j = 1; j <= deep; ++j) counts[r][2] += s[n[j]] == kDrafter, counts[r][3] += s[n[j]] == kLookup;
     }
   }
-  return {acc, path, counts};
+  return out;
 }
