@@ -135,12 +135,12 @@ def test_the_branch_copies_from_the_corpus_only_where_the_rows_own_match_is_shor
     corpus = Corpus.from_answers([[1, 2, 3, 4, 5, 6]])
     params = LookupParams(max_tokens=3, skip_drafter_n=2, corpus_n=2)
     rows = [Row([9, 2, 3]), Row([2, 3, 9, 2, 3]), Row([9, 8])]
-    p = LookupProposer(params, corpus).propose(rows, "cpu")
+    p = LookupProposer(params, corpus).propose(rows)
     # row 0: no match of its own -> the corpus; row 1: its own [2, 3] match; row 2: nothing anywhere
     assert p.tokens == [[4, 5, 6], [9, 2, 3], []] and p.corpus == [True, False, False]
     assert [p.key(r) for r in range(3)] == ["corpus-2-one", 2, 0]  # one occurrence of [2, 3] in the corpus
     assert not p.skips_drafter  # a corpus match never skips the drafter, however long
-    off = LookupProposer(LookupParams(max_tokens=3, corpus_n=0), corpus).propose(rows, "cpu")
+    off = LookupProposer(LookupParams(max_tokens=3, corpus_n=0), corpus).propose(rows)
     assert off.tokens[0] == [] and off.corpus == [False] * 3
     acc = Acceptance()
     assert acc.lookup_rate("corpus-2-one") < acc.lookup_rate(2)  # a corpus match is trusted less a priori

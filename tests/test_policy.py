@@ -176,8 +176,7 @@ def test_prune_keeps_a_prefix_closed_subtree_with_its_paths():
     b, D, K = 3, 4, 3
     toks = torch.randint(20, 90, (b, D, K), generator=gen)
     logp = torch.rand(b, D, K, generator=gen).log().sort(dim=-1, descending=True).values
-    tree = build(torch.tensor([1, 2, 3]), topk_tree(toks, logp, 8), torch.tensor([[5, 6], [7, 8], [0, 0]]),
-                 torch.tensor([2, 1, 0]))
+    tree = build(torch.tensor([1, 2, 3]), topk_tree(toks, logp, 8), [[5, 6], [7], []])
     keep = torch.zeros_like(tree.alive)
     keep[:, 0] = True
     keep[0, 1:4] = True  # the first drafter nodes of row 0 (parents come first: prefix-closed)
@@ -299,9 +298,7 @@ def view(rows: int, ctx: int, props: list | None = None, matched: list | None = 
     """A StepView of `rows` live rows at context `ctx` whose lookup proposes `props` (matched suffix lengths
     `matched`; default: nothing) and whose drafter has `pending` features to ingest (default: one per row)."""
     props = props or [[]] * rows
-    k = max(len(p) for p in props)
-    branch = torch.tensor([p + [0] * (k - len(p)) for p in props], dtype=torch.long).reshape(rows, k)
-    lk = LookupProposal(branch, torch.tensor([len(p) for p in props]), matched or [0] * rows, props, False)
+    lk = LookupProposal(matched or [0] * rows, props, False)
     return StepView([True] * rows, list(range(rows)), ctx, rows if pending is None else pending, drafter, lambda: lk)
 
 

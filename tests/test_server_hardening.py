@@ -98,10 +98,10 @@ def test_a_row_that_fails_inside_a_step_fails_alone(server):
     eng = server["engine"]
 
     class Failing(LookupProposer):  # asked every step that looks (below: all of them), drafter or not
-        def propose(self, seqs, device):
+        def propose(self, seqs):
             if any(s.max_new_tokens == 77 for s in seqs):
                 raise RuntimeError("injected failure")
-            return super().propose(seqs, device)
+            return super().propose(seqs)
 
     from dflashkit.server import build_app, serve_in_thread
 

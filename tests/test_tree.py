@@ -10,7 +10,8 @@ import torch
 from conftest import make_drafter, make_target, skip_random_drafts_on_lean
 from dflashkit import DecodeConfig, DFlashEngine, DFlashError
 from dflashkit.lookup import LookupParams, SuffixIndex, propose
-from dflashkit.tree import DraftNodes, accept, accepted, ancestors, build, chain_nodes, prune, source_counts, topk_tree, verify_mask
+from dflashkit.tree import (DraftNodes, accept, accepted, ancestors, build, chain_nodes, prune, source_counts, topk_tree,
+                            verify_inputs)
 from test_engine import PROMPTS, check_caches_while_decoding, reference_runs, with_oracle
 
 
@@ -20,7 +21,7 @@ def t(rows):
 
 def tree_impl(impl: str, monkeypatch) -> None:
     """The tree's steps as torch ops ("torch") or in one C++ call each ("cpp": topk_tree's beam in
-    kernels/drafttree.cpp; build, verify_mask and accepted in kernels/verifytree.cpp): both are tested."""
+    kernels/drafttree.cpp; build, verify_inputs and accepted in kernels/verifytree.cpp): both are tested."""
     from dflashkit import kernels
 
     if impl == "torch":
@@ -45,8 +46,8 @@ def test_build_merges_a_shared_prefix_and_kills_duplicates(impl, monkeypatch):
     tree_impl(impl, monkeypatch)
     # row 0: branch parts from the chain after 2 shared tokens; row 1: no shared prefix; row 2: branch of 1 token
     chain = t([[10, 11, 12], [10, 11, 12], [10, 11, 12]])
-    branch = t([[10, 11, 20, 21], [30, 31, 32, 33], [40, 0, 0, 0]])
-    tree = build(t([1, 1, 1]), chain_nodes(chain), branch, t([4, 4, 1]))
+    branch = [[10, 11, 20, 21], [30, 31, 32, 33], [40]]
+    tree = build(t([1, 1, 1]), chain_nodes(chain), branch)
     assert tree.width == 8 and tree.max_depth == 4
     assert tree.parent.tolist()[0] == [0, 0, 1, 2, 3, 4, 2, 6]  # l3 hangs off chain node 2, l4 off l3
     assert tree.alive.tolist()[0] == [True] * 4 + [False, False, True, True]
@@ -62,8 +63,8 @@ def test_build_merges_a_shared_prefix_and_kills_duplicates(impl, monkeypatch):
 def test_accept_follows_the_target_choices_down_either_branch(impl, monkeypatch):
     tree_impl(impl, monkeypatch)
     chain = t([[10, 11, 12], [10, 11, 12], [10, 11, 12]])
-    branch = t([[10, 11, 20, 21], [30, 31, 32, 33], [30, 31, 32, 33]])
-    tree = build(t([1, 1, 1]), chain_nodes(chain), branch, t([4, 4, 4]))
+    branch = [[10, 11, 20, 21], [30, 31, 32, 33], [30, 31, 32, 33]]
+    tree = build(t([1, 1, 1]), chain_nodes(chain), branch)
     # choices[i] = the target's token after node i; 99 = disagrees with everything
     choices = t([
         [10, 11, 20, 99, 99, 99, 21, 7],   # d1, d2 (shared), then the branch: l3, l4, bonus 7
@@ -84,7 +85,7 @@ def test_accept_follows_the_target_choices_down_either_branch(impl, monkeypatch)
 def test_dead_nodes_are_never_accepted(impl, monkeypatch):
     tree_impl(impl, monkeypatch)
     # the branch duplicates the chain entirely, and row 1's branch is padding only
-    tree = build(t([1, 1]), chain_nodes(t([[10, 11], [10, 11]])), t([[10, 11], [0, 0]]), t([2, 0]))
+    tree = build(t([1, 1]), chain_nodes(t([[10, 11], [10, 11]])), [[10, 11], []])
     choices = t([[10, 11, 6, 10, 11], [0, 99, 99, 0, 0]])
     a, path = walk(tree, choices)
     assert a.tolist() == [2, 0]
@@ -92,10 +93,12 @@ def test_dead_nodes_are_never_accepted(impl, monkeypatch):
 
 
 @IMPLS
-def test_verify_mask_shows_committed_slots_and_ancestors_only(impl, monkeypatch):
+def test_verify_inputs_show_committed_slots_and_ancestors_only(impl, monkeypatch):
     tree_impl(impl, monkeypatch)
-    tree = build(t([1]), chain_nodes(t([[10, 11]])), t([[20, 21]]), t([2]))
-    m = verify_mask(tree, t([3]), kv_len=9)[0, 0].int()
+    tree = build(t([1]), chain_nodes(t([[10, 11]])), [[20, 21]])
+    where = verify_inputs(tree, t([3]), kv_len=9)
+    assert where.positions.tolist() == [[3, 4, 5, 4, 5]] and where.slots.tolist() == [[3, 4, 5, 6, 7]]
+    m = where.visible[0, 0].int()
     # slots 0-2 committed; tree nodes at slots 3.. (anchor, d1, d2, l1, l2); slot 8 is stale
     assert m.tolist() == [[1, 1, 1, 1, 0, 0, 0, 0, 0],
                           [1, 1, 1, 1, 1, 0, 0, 0, 0],
@@ -295,7 +298,7 @@ def test_a_lookup_branch_never_hangs_off_a_dead_node(impl, monkeypatch):
     tree_impl(impl, monkeypatch)
     # node 2 is padding (dead) but carries the branch's first token: the branch must start at the anchor
     draft = DraftNodes(t([[10, 11]]), t([[0, 0]]), t([[1, 1]]), 1, alive=torch.tensor([[True, False]]))
-    tree = build(t([1]), draft, t([[11, 12]]), t([2]))
+    tree = build(t([1]), draft, [[11, 12]])
     assert tree.parent.tolist()[0] == [0, 0, 0, 0, 3] and tree.alive.tolist()[0] == [True, True, False, True, True]
     a, path = walk(tree, t([[11, 99, 99, 12, 5]]))
     assert a.tolist() == [2] and path.tolist()[0] == [0, 3, 4]
@@ -306,7 +309,7 @@ def test_a_lookup_branch_merges_into_a_drafter_tree_path(impl, monkeypatch):
     tree_impl(impl, monkeypatch)
     # drafter nodes: 1:[10] 2:[11] (siblings at depth 1), 3:[12] under 1, 4:[13] under 3, 5:[14] under 2
     draft = DraftNodes(t([[10, 11, 12, 13, 14]]), t([[0, 0, 1, 3, 2]]), t([[1, 1, 2, 3, 2]]), 3)
-    tree = build(t([1]), draft, t([[11, 14, 20]]), t([3]))  # l1, l2 = path 2 -> 5; l3 parts from it
+    tree = build(t([1]), draft, [[11, 14, 20]])  # l1, l2 = path 2 -> 5; l3 parts from it
     assert tree.parent.tolist()[0] == [0, 0, 0, 1, 3, 2, 5, 6, 5]
     assert tree.alive.tolist()[0] == [True] * 6 + [False, False, True]
     assert tree.depth.tolist()[0] == [0, 1, 1, 2, 3, 2, 1, 2, 3]
@@ -325,19 +328,20 @@ def random_tree_inputs(g: random.Random, b: int):
     draft = {"none": None, "chain": chain_nodes(idx[:, :, 0] + 10, logp[:, :, 0]),
              "tree": topk_tree(idx + 10, logp, g.randint(1, D * K)),
              "floor": topk_tree(idx + 10, logp, g.randint(1, D * K), min_prob=0.1)}[kind]
-    k = g.randint(0 if draft is not None else 1, 5)
+    k = g.randint(0, 5)  # with no drafter and no branch: the plain step's anchor alone
     branch = torch.randint(10, 16, (b, k), generator=gen)
     if draft is not None and k:  # a branch that spells a drafted path for a while
         spell = min(k, draft.tokens.shape[1])
         branch[:, :spell] = torch.where(torch.rand(b, spell, generator=gen) < 0.7, draft.tokens[:, :spell],
                                         branch[:, :spell])
-    length = torch.randint(0, k + 1, (b,), generator=gen)
-    return t([1] * b), draft, branch, length
+    length = torch.randint(0, k + 1, (b,), generator=gen).tolist()
+    lists = None if k == 0 and g.random() < 0.5 else [row[:n] for row, n in zip(branch.tolist(), length)]
+    return t([1] * b), draft, lists
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_the_cpp_tree_steps_equal_the_torch_ones(seed, monkeypatch):
-    """build, prune + accepted, verify_mask and the source counts in kernels/verifytree.cpp give tree.py's torch
+    """build, prune + accepted, verify_inputs and the source counts in kernels/verifytree.cpp give tree.py's torch
     results exactly on random trees (every field, every row)."""
     from dflashkit import kernels
 
@@ -345,12 +349,12 @@ def test_the_cpp_tree_steps_equal_the_torch_ones(seed, monkeypatch):
         pytest.skip(f"kernels unavailable: {kernels.why_unavailable()}")
     g = random.Random(seed)
     b = g.randint(1, 4)
-    anchor, draft, branch, length = random_tree_inputs(g, b)
-    fast = build(anchor, draft, branch, length)
+    anchor, draft, branch = random_tree_inputs(g, b)
+    fast = build(anchor, draft, branch)
     assert kernels.on_cpu(anchor) is not None
     with monkeypatch.context() as m:
         m.setattr(kernels, "on_cpu", lambda *a: None)
-        slow = build(anchor, draft, branch, length)
+        slow = build(anchor, draft, branch)
     for f in ("tokens", "parent", "depth", "alive", "source", "logp"):
         x, y = getattr(fast, f), getattr(slow, f)
         assert (x is None and y is None) or (x.dtype == y.dtype and torch.equal(x, y)), f
@@ -372,17 +376,42 @@ def test_the_cpp_tree_steps_equal_the_torch_ones(seed, monkeypatch):
     start = torch.randint(0, 5, (b,), generator=torch.Generator().manual_seed(seed + 2))
     kv_len = int(start.max()) + tree.width + g.randint(0, 2)
     span = tree.max_depth + 1 + g.randint(0, 2)  # the batch's span may exceed this tree's depth: padded paths
-    got, mask = accepted(tree, choices, span), verify_mask(tree, start, kv_len)
+    got, where = accepted(tree, choices, span), verify_inputs(tree, start, kv_len)
     a, path = accept(tree, choices)
     assert got.depth == a.tolist() and torch.equal(got.path[:, :path.shape[1]], path)
     assert got.counts == source_counts(tree, a, path).tolist()
     with monkeypatch.context() as m:
         m.setattr(kernels, "on_cpu", lambda *a: None)
-        assert torch.equal(mask, verify_mask(tree, start, kv_len))
+        slow_where = verify_inputs(tree, start, kv_len)
+        for f in ("positions", "slots", "visible"):
+            assert torch.equal(getattr(where, f), getattr(slow_where, f)), f
         slow = accepted(tree, choices, span)
     for f in ("tokens", "depth", "nodes", "counts"):
         assert getattr(got, f) == getattr(slow, f), f
     assert torch.equal(got.path, slow.path) and got.nodes == got.path.tolist()
+
+
+def test_the_cpp_feature_write_equals_the_torch_one(monkeypatch):
+    """DraftState.append_path in one C++ call (kernels/rowcopy.cpp) writes what the gather + index_put writes."""
+    from dflashkit import kernels
+    from dflashkit.proposers import DraftState, feature_store
+
+    if not kernels.available():
+        pytest.skip(f"kernels unavailable: {kernels.why_unavailable()}")
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(3, 6, 40, generator=g).bfloat16()
+    nodes = [[0, 2, 5, 5], [0, 1, 1, 1], [0, 3, 4, 2]]
+    positions = [[7, 8, 9, 9], [3, 4, 4, 4], [0, 1, 2, 3]]
+    stores = []
+    for on in (True, False):
+        with monkeypatch.context() as m:
+            if not on:
+                m.setattr(kernels, "on_cpu", lambda *a: None)
+            state = DraftState(None, feature_store(3, 12, 40, torch.bfloat16, "cpu"), [0, 0, 0])
+            state.append_path(feats, nodes, positions)
+            stores.append(state.feats.keys[0].clone())
+    assert torch.equal(stores[0], stores[1]) and torch.equal(stores[0][0, 0, 8], feats[0, 2])
+    assert stores[0][1, 0, 5:].abs().sum() == 0  # nothing written past a row's positions
 
 
 @pytest.mark.parametrize("block_size,n,lookup,p_min", [(4, 6, 0, 0), (8, 5, 4, 0), (16, 12, 0, 0), (4, 3, 5, 0),

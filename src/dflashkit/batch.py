@@ -32,7 +32,7 @@ from .prefill import PromptPrefill, prefill_context, prefill_groups
 from .proposers import DraftView, DrafterProposer, LookupProposer
 from .sampling import Sampler, SamplingParams
 from .stats import GenerationStats
-from .tree import DraftTree, accepted, build, prune, verify_mask
+from .tree import DraftTree, accepted, build, prune, verify_inputs
 
 _keys = itertools.count()  # `SeqState.key`: unique in the process
 
@@ -324,12 +324,10 @@ class DecodeBatch:
         live = [not s.finished for s in self.seqs]
         plan, tree = self._propose(live)
         # Verify: node i sits in slot start + i at position start + depth(i) (RoPE), sees its ancestors only.
-        W, dev = tree.width, self.target.device
-        kv_len = max(self.starts) + W
-        slots = self.start[:, None] + torch.arange(W, device=dev)
-        hidden, feats = self.target.forward(tree.tokens, self.start[:, None] + tree.depth, self.tcache,
-                                            kv_len=kv_len, taps=self.drafter is not None, slots=slots,
-                                            visible=verify_mask(tree, self.start, kv_len))
+        kv_len = max(self.starts) + tree.width
+        where = verify_inputs(tree, self.start, kv_len)
+        hidden, feats = self.target.forward(tree.tokens, where.positions, self.tcache, kv_len=kv_len,
+                                            taps=self.drafter is not None, slots=where.slots, visible=where.visible)
         logits = self.target.logits(hidden)  # [b, W, V]
         # [b, W] the target's own token after each node: node i's choice is the token at position start + depth + 1
         choices = self.sampler(logits, [s + 1 for s in self.starts], tree.depth, tree.max_depth)
@@ -345,22 +343,18 @@ class DecodeBatch:
         ctx = max(self.starts)
         view = StepView(live, [s.key for s in self.seqs], ctx,
                         self.dstate.pending(ctx) if self.dstate is not None else len(self.seqs),
-                        self.drafter is not None, lambda: self.lookup.propose(self.seqs, self.target.device))
+                        self.drafter is not None, lambda: self.lookup.propose(self.seqs))
         plan = self.policy.plan(view)
-        if not plan.look:  # a plain AR step, decided before any host work: the anchor alone
-            branch = self.anchor[:, None][:, :0]
-            length = branch.sum(1)
-        else:
-            lk = view.lookup()
-            branch, length = lk.branch, lk.length
+        # The lookup branch, per row on the host: none on a plain AR step (decided before any host work), else the
+        # proposal, cut where the policy cut each row's branch before the tree is built.
+        branch = view.lookup().tokens if plan.look else None
+        if branch is not None and plan.lookup_keep is not None:
+            branch = [p[:n] for p, n in zip(branch, plan.lookup_keep)]
         draft = None
         if plan.draft:
             draft = self.drafter.propose(self.dstate, DraftView(self.anchor, self.start, ctx, self.seqs, self.starts),
                                          scores=plan.scores, block=plan.block)
-        if plan.lookup_keep is not None:  # the policy cut each row's lookup branch before the tree is built
-            branch = branch[:, :max(plan.lookup_keep, default=0)]
-            length = torch.minimum(length, torch.tensor(plan.lookup_keep, device=length.device))
-        tree = build(self.anchor, draft, branch, length)
+        tree = build(self.anchor, draft, branch)
         if draft is not None:
             cut = self.policy.cut(plan, tree)
             if cut is not None:
@@ -374,27 +368,23 @@ class DecodeBatch:
         Every committed token is the target's own choice given exactly the committed prefix (`tree.accept`), so
         output is exact at any temperature. Slots past the accepted path keep stale K/V at positions >= the new
         start: invisible until those positions are committed and rewritten (`cache.py`)."""
-        b, R, dev = len(self.seqs), self.span, self.target.device
+        R, dev = self.span, self.target.device
         left = [0 if s.finished else s.max_new_tokens - len(s.generated) for s in self.seqs]  # tokens still owed
         got = accepted(tree, choices, R)  # the path [b, R] on the device; tokens, depths, nodes, counts on the host
         lps = token_logprobs(logits, got.tokens, self.seqs, nodes=got.path)
-        depth = torch.arange(R, device=dev)
         # Bring the accepted path to slot == position (a branch node's K/V sits m slots further right).
         if any(nodes[d] != d for nodes, a in zip(got.nodes, got.depth) for d in range(a + 1)):
+            depth = torch.arange(R, device=dev)
             keep = depth[None] <= torch.tensor(got.depth, device=dev)[:, None]
             src = self.start[:, None] + torch.where(keep, got.path, depth[None])
             self.tcache.move(src, self.start[:, None] + depth[None])
         if self.drafter is not None:
-            # The drafter's context: the accepted path's features at their positions. Past a, `path` repeats the
-            # end node, so those entries repeat (feature, position) of the last accepted node: harmless rewrites.
+            # The drafter's context: the accepted path's features at their positions (self.starts: `start` on the
+            # host). Past a, the path repeats the end node: those entries rewrite the last accepted node's feature at
+            # its own position, harmlessly. A plain step's path is the anchor alone.
             D1 = tree.max_depth + 1
-            if D1 == 1:  # the anchor alone (a plain step): its feature, at its own position; no gather to pay
-                self.dstate.append(feats[:, :1], self.start[:, None])
-            else:
-                # self.starts: `start` on the host
-                pos = [[s + min(d, a) for d in range(D1)] for s, a in zip(self.starts, got.depth)]
-                self.dstate.append(feats.gather(1, got.path[:, :D1, None].expand(b, D1, feats.shape[-1])),
-                                   torch.tensor(pos, device=dev))
+            self.dstate.append_path(feats, [n[:D1] for n in got.nodes],
+                                    [[s + min(d, a) for d in range(D1)] for s, a in zip(self.starts, got.depth)])
         self.anchor = torch.tensor([t[a] for t, a in zip(got.tokens, got.depth)], device=dev)  # the bonus: next anchor
         # Why capped by what each row is still owed: a row whose budget ends inside the accepted path finishes and
         # rides along frozen until compaction; its start must stay within prompt + max_new_tokens, or the next

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from .errors import DFlashError
 
@@ -62,10 +61,8 @@ class LookupParams:
 class LookupProposal:
     """One step's lookup branch for every row of a batch (`LookupProposer.propose`)."""
 
-    branch: torch.Tensor  # [b, k] proposed tokens, right-padded; k = the longest proposal
-    length: torch.Tensor  # [b] valid tokens per row
     matched: list[int]  # per row: the length of the suffix that matched (0: no proposal)
-    tokens: list[list[int]]  # per row: the proposal on the host
+    tokens: list[list[int]]  # per row: the proposal (host lists: `tree.build` takes them as they are)
     skips_drafter: bool  # every live row matched a suffix of at least `skip_drafter_n`: verify the branch alone
     # per row: `CorpusMatch.agreement` where the proposal came from the corpus (`corpus.py`), "" where not
     agreement: list[str] = field(default_factory=list)

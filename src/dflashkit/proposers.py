@@ -116,6 +116,18 @@ class DraftState:
         carries the same feature: a harmless rewrite)."""
         self.feats.write(0, feats[:, None], feats[:, None, :, :0], pos)
 
+    def append_path(self, feats: torch.Tensor, nodes: list[list[int]], positions: list[list[int]]) -> None:
+        """Row r's features feats[r, nodes[r][t]] ([b, W, k*H], a verify pass's taps) at positions[r][t]: a step's
+        accepted paths. On the CPU in one C++ call (kernels/rowcopy.cpp), else a gather and `append`."""
+        store = self.feats.keys[0]  # [rows, 1, max_len, k*H]
+        mod = kernels.on_cpu(feats, store)
+        if mod is not None and feats.dtype == store.dtype and feats.stride(-1) == 1:
+            mod.copy_rows(store, positions, feats, nodes)
+            return
+        idx = torch.tensor(nodes, device=feats.device)
+        self.append(feats.gather(1, idx[..., None].expand(*idx.shape, feats.shape[-1])),
+                    torch.tensor(positions, device=feats.device))
+
     def ingested(self, starts: list[int]) -> None:
         """Every row's features below its start are now in the drafter's cache."""
         self.lo = list(starts)
@@ -330,7 +342,7 @@ class LookupProposer:
         self.params = params
         self.corpus = corpus if params.corpus_n else None
 
-    def propose(self, seqs: list, device: torch.device) -> LookupProposal:
+    def propose(self, seqs: list) -> LookupProposal:
         """Every row's proposal; the branch is never wider than the longest one."""
         on = self.params.enabled
         props, agreement = [], []
@@ -344,15 +356,9 @@ class LookupProposer:
                     p, n, agree = m.tokens, m.n, m.agreement
             props.append((p, n))
             agreement.append(agree)
-        k = max((len(p) for p, _ in props), default=0)
-        branch = np.zeros((len(seqs), k), dtype=np.int64)
-        for i, (p, _) in enumerate(props):
-            branch[i, :len(p)] = p
-        lengths = torch.tensor([len(p) for p, _ in props], device=device)
         matched = [n for _, n in props]
         own = [0 if a else n for n, a in zip(matched, agreement)]  # only the row's own matches may skip the drafter
-        return LookupProposal(torch.from_numpy(branch).to(device), lengths, matched, [p for p, _ in props],
-                              self.skips_drafter(own, seqs), agreement)
+        return LookupProposal(matched, [list(p) for p, _ in props], self.skips_drafter(own, seqs), agreement)
 
     def suggest(self, tokens: np.ndarray, index: SuffixIndex | None = None) -> tuple[list[int], int]:
         """One row's (proposal, matched suffix length) for its committed tokens, through the row's n-gram index

@@ -52,7 +52,7 @@ class DraftTree:
     depth: torch.Tensor  # [b, W] depth = position offset from start
     alive: torch.Tensor  # [b, W] bool: may be accepted (False for duplicates and padding)
     max_depth: int
-    source: torch.Tensor | None = None  # [b, W] int8 SOURCE_*: who proposed each node (None: the anchor alone)
+    source: torch.Tensor | None = None  # [b, W] int8 SOURCE_*: who proposed each node (None: not recorded)
     logp: torch.Tensor | None = None  # [b, W] float: a drafter node's path log-probability, -inf for the others
     #                                   (None: the drafter gave none, `DraftNodes.logp`)
 
@@ -139,23 +139,27 @@ def topk_tree(tokens: torch.Tensor, logp: torch.Tensor, n: int, min_prob: float 
                       alive, score.gather(1, chosen).float())
 
 
-def build(anchor: torch.Tensor, draft: DraftNodes | None, branch: torch.Tensor, branch_len: torch.Tensor) -> DraftTree:
+def build(anchor: torch.Tensor, draft: DraftNodes | None, branch: list[list[int]] | None = None) -> DraftTree:
     """anchor: [b]; draft: the drafter's nodes (`chain_nodes` or `topk_tree`; None: no drafter this step);
-    branch: [b, k] lookup proposals, right-padded; branch_len: [b] valid branch tokens per row."""
-    b, k = branch.shape
-    dev = anchor.device
-    zero = torch.zeros(b, 1, dtype=torch.long, device=dev)
-    if draft is None and k == 0:  # a plain step (most steps where speculation does not pay): the anchor alone
-        return DraftTree(tokens=anchor[:, None], parent=zero, depth=zero,
-                         alive=torch.ones(b, 1, dtype=torch.bool, device=dev), max_depth=0)
-    mod = kernels.on_cpu(anchor, branch)
+    branch: per row its lookup tokens, on the host (rows of any length; None: no lookup this step)."""
+    b, dev = anchor.shape[0], anchor.device
+    k = max(map(len, branch), default=0) if branch else 0
+    mod = kernels.on_cpu(anchor)
     if mod is not None:  # the same rule in one C++ call (kernels/verifytree.cpp); empty tensors: no such nodes
         nodes = (_NONE,) * 3 if draft is None else (draft.tokens, draft.parent, draft.depth)
         alive = _NONE_ALIVE if draft is None or draft.alive is None else draft.alive
         dmax = 0 if draft is None else draft.max_depth
-        tok, parent, depth, alive, source = mod.tree_build(anchor, *nodes, alive, dmax, branch, branch_len)
+        tok, parent, depth, alive, source = mod.tree_build(anchor, *nodes, alive, dmax, branch or [])
         return DraftTree(tok, parent, depth, alive, max(dmax, k), source,
                          logp=None if draft is None else _tree_logp(draft, k))
+    zero = torch.zeros(b, 1, dtype=torch.long, device=dev)
+    if draft is None and k == 0:  # a plain step (most steps where speculation does not pay): the anchor alone
+        return DraftTree(tokens=anchor[:, None], parent=zero, depth=zero,
+                         alive=torch.ones(b, 1, dtype=torch.bool, device=dev), max_depth=0,
+                         source=torch.full((b, 1), SOURCE_ANCHOR, dtype=torch.int8, device=dev))
+    branch_len = torch.tensor([len(p) for p in branch] if branch else [0] * b, device=dev)
+    branch = torch.tensor([p + [0] * (k - len(p)) for p in branch] if branch else [[]] * b, dtype=torch.long,
+                          device=dev).reshape(b, k)  # [b, k] right-padded with 0
     draft = draft or DraftNodes(branch[:, :0], branch[:, :0], branch[:, :0], 0)
     d_tok, d_par, d_dep, dmax = draft.tokens, draft.parent, draft.depth, draft.max_depth
     m = d_tok.shape[1]
@@ -230,14 +234,30 @@ def ancestors(tree: DraftTree) -> torch.Tensor:
     return anc
 
 
+@dataclass
+class VerifyInputs:
+    """Where each node of a tree goes in the target's verify pass (`verify_inputs`)."""
+
+    positions: torch.Tensor  # [b, W] start + depth: the node's position (RoPE)
+    slots: torch.Tensor  # [b, W] start + node index: where its K/V is written
+    visible: torch.Tensor  # [b, 1, W, kv_len] bool: the slots it sees (`verify_mask`)
+
+
+def verify_inputs(tree: DraftTree, start: torch.Tensor, kv_len: int) -> VerifyInputs:
+    """The verify pass's positions, slots and mask for rows whose anchors sit at `start` [b]: on the CPU in one C++
+    call (kernels/verifytree.cpp, the same rules)."""
+    mod = kernels.on_cpu(tree.parent, start)
+    if mod is not None:
+        return VerifyInputs(*mod.tree_inputs(tree.parent, tree.depth, start, kv_len, tree.max_depth))
+    return VerifyInputs(start[:, None] + tree.depth, start[:, None] + torch.arange(tree.width, device=start.device),
+                        verify_mask(tree, start, kv_len))
+
+
 def verify_mask(tree: DraftTree, start: torch.Tensor, kv_len: int) -> torch.Tensor:
     """[b, 1, W, kv_len] bool for the target's verify pass: committed slots (< start) plus the node's own
     ancestors, found at slots start + node index. Everything else (rejected drafts of earlier steps,
     other branches) stays invisible."""
     b, W = tree.tokens.shape
-    mod = kernels.on_cpu(tree.parent, start)
-    if mod is not None:  # the same mask in one C++ call (kernels/verifytree.cpp)
-        return mod.tree_mask(tree.parent, start, kv_len, tree.max_depth)
     slots = torch.arange(kv_len, device=start.device)
     if W == 1:  # the anchor alone: its own slot is start
         return (slots[None, :] <= start[:, None])[:, None, None, :]

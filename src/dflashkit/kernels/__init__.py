@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(n) for n in ("module.cpp", "rowlinear.cpp", "qlinear.cpp", "plinear.cpp",
                                                   "attention.cpp", "layers.cpp", "keylists.cpp", "argmax.cpp",
                                                   "drafttree.cpp", "verifytree.cpp",
-                                                  "corpusmatch.cpp")]
+                                                  "corpusmatch.cpp", "rowcopy.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "ops.h")]
 KINDS = {"bf16": 0, "q4_1": 1, "q8_0": 2}
 PATHS = {"rowlinear": 0, "qlinear": 1, "plinear": 2}  # which kernel a stacked linear calls (layers.cpp `Linear`)
@@ -186,7 +186,8 @@ def beam_tree(tokens: torch.Tensor, logp: torch.Tensor, n: int, min_prob: float)
 
 def on_cpu(*tensors: torch.Tensor):
     """The compiled module where it already runs in this process and every tensor is on the CPU, else None (the
-    caller keeps its Python version: tree.py's verify tree, verifytree.cpp; corpus.py's match, corpusmatch.cpp).
+    caller keeps its Python version: tree.py's verify tree, verifytree.cpp; corpus.py's match, corpusmatch.cpp; the
+    drafter's feature writes, rowcopy.cpp).
     Never builds."""
     mod = _state.get("mod")
     return mod if mod is not None and all(t.device.type == "cpu" for t in tensors) else None

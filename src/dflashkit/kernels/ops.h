@@ -74,18 +74,23 @@ torch::Tensor argmax_bf16(torch::Tensor logits);
 std::tuple<torch::Tensor, torch::Tensor> draft_topk(torch::Tensor logits, int64_t k);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> beam_tree(
     torch::Tensor tokens, torch::Tensor logp, int64_t n, double log_min_prob);
-// the verify step's tree: built from drafter nodes and a lookup branch, each node's visible slots, the accepted path
-// with the drafted / accepted counts per source (verifytree.cpp; the rules of tree.py)
+// the verify step's tree: built from drafter nodes and a lookup branch, each node's position, slot and visible slots,
+// the accepted path with the drafted / accepted counts per source (verifytree.cpp; the rules of tree.py)
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> tree_build(
     torch::Tensor anchor, torch::Tensor d_tok, torch::Tensor d_par, torch::Tensor d_dep, torch::Tensor d_alive,
-    int64_t d_max, torch::Tensor branch, torch::Tensor branch_len);
-torch::Tensor tree_mask(torch::Tensor parent, torch::Tensor start, int64_t kv_len, int64_t max_depth);
+    int64_t d_max, const std::vector<std::vector<int64_t>>& branch);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> tree_inputs(torch::Tensor parent, torch::Tensor depth,
+                                                                     torch::Tensor start, int64_t kv_len,
+                                                                     int64_t max_depth);
 // tree_accept: the path [b, span] as a tensor, then on the host per row: the committed tokens [span] (the target's
 // choice at each path node), the accepted depth, the path's nodes [span], the 4 per-source counts
 using AcceptedRows = std::tuple<torch::Tensor, std::vector<std::vector<int64_t>>, std::vector<int64_t>,
                                 std::vector<std::vector<int64_t>>, std::vector<std::vector<int64_t>>>;
 AcceptedRows tree_accept(torch::Tensor tokens, torch::Tensor parent, torch::Tensor depth, torch::Tensor alive,
                          torch::Tensor source, torch::Tensor choices, int64_t max_depth, int64_t span);
+// store[r, 0, positions[r][t]] = rows[r, nodes[r][t]]: the drafter's features of a step's accepted paths (rowcopy.cpp)
+void copy_rows(torch::Tensor dst, const std::vector<std::vector<int64_t>>& positions, torch::Tensor src,
+               const std::vector<std::vector<int64_t>>& nodes);
 // corpus.py `Corpus.match` in one call: (tokens, matched n, support, occurrences read) (corpusmatch.cpp)
 std::tuple<std::vector<int64_t>, int64_t, int64_t, int64_t> corpus_match(torch::Tensor padded, torch::Tensor order,
                                                                           torch::Tensor starts, torch::Tensor ids,

@@ -1,7 +1,7 @@
 // The verify step's tree work in one call each, where tree.py spends ~10-40 small torch ops: the tree from the
-// drafter's nodes and the lookup branch (`tree_build`), each node's visible slots (`tree_mask`), and the accepted
-// path with the per-source counts (`tree_accept`). The same rules as tree.py's `build`, `verify_mask`, `accept` and
-// `source_counts`, which stay for other devices and for the tests that compare the two.
+// drafter's nodes and the lookup branch (`tree_build`), each node's position, slot and visible slots (`tree_inputs`),
+// and the accepted path with the per-source counts (`tree_accept`). The same rules as tree.py's `build`,
+// `verify_inputs`, `accept` and `source_counts`, which stay for other devices and for the tests that compare the two.
 //
 // Why: right after a target step (it streams ~100 MB of weights through the caches) a small torch op costs 5-10 us;
 // these four took ~380 us of a ~6.5 ms step of the default system at batch 1 (AMD EPYC).
@@ -10,6 +10,7 @@
 // match, rounds = the deepest depth), so do these: the same result for any parent order.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <tuple>
 #include <vector>
@@ -44,37 +45,41 @@ std::pair<int64_t, int64_t> deepest(const std::vector<char>& on, const int64_t* 
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> tree_build(
     torch::Tensor anchor, torch::Tensor d_tok, torch::Tensor d_par, torch::Tensor d_dep, torch::Tensor d_alive,
-    int64_t d_max, torch::Tensor branch, torch::Tensor branch_len) {
+    int64_t d_max, const std::vector<std::vector<int64_t>>& branch) {
   // No drafter nodes: empty tensors of any shape (m = 0).
   if (d_tok.numel() == 0) {
     d_tok = d_par = d_dep = torch::empty({anchor.size(0), 0}, anchor.options());
     d_alive = torch::Tensor();
   }
-  const int64_t b = anchor.size(0), m = d_tok.size(1), k = branch.size(1), W = 1 + m + k;
+  const int64_t b = anchor.size(0), m = d_tok.size(1);
+  int64_t k = 0;  // the widest row's lookup tokens (the others padded with dead nodes of token 0)
+  for (const auto& row : branch) k = std::max<int64_t>(k, row.size());
+  const int64_t W = 1 + m + k;
   TORCH_CHECK(anchor.scalar_type() == torch::kLong && d_tok.scalar_type() == torch::kLong &&
-                  d_par.scalar_type() == torch::kLong && d_dep.scalar_type() == torch::kLong &&
-                  branch.scalar_type() == torch::kLong && branch_len.scalar_type() == torch::kLong,
-              "tree_build: int64 tokens, parents, depths and lengths");
+                  d_par.scalar_type() == torch::kLong && d_dep.scalar_type() == torch::kLong,
+              "tree_build: int64 tokens, parents and depths");
   TORCH_CHECK(d_tok.size(0) == b && d_par.sizes() == d_tok.sizes() && d_dep.sizes() == d_tok.sizes() &&
-                  branch.size(0) == b && branch_len.size(0) == b &&
+                  (branch.empty() || static_cast<int64_t>(branch.size()) == b) &&
                   (!d_alive.defined() || d_alive.numel() == 0 ||
                    (d_alive.scalar_type() == torch::kBool && d_alive.sizes() == d_tok.sizes())),
-              "tree_build: drafter nodes [b, m] (alive [b, m] bool or empty), anchor [b], branch [b, k], lengths [b]");
+              "tree_build: drafter nodes [b, m] (alive [b, m] bool or empty), anchor [b], a branch per row or none");
   const torch::Tensor an = anchor.contiguous(), dt = d_tok.contiguous(), dp = d_par.contiguous(),
-                      dd = d_dep.contiguous(), br = branch.contiguous(), bl = branch_len.contiguous();
+                      dd = d_dep.contiguous();
   const torch::Tensor da = d_alive.defined() && d_alive.numel() ? d_alive.contiguous() : torch::Tensor();
   const auto opt = an.options();
   torch::Tensor tok = torch::empty({b, W}, opt), parent = torch::empty({b, W}, opt), depth = torch::empty({b, W}, opt);
   torch::Tensor alive = torch::empty({b, W}, opt.dtype(torch::kBool));
   torch::Tensor source = torch::empty({b, W}, opt.dtype(torch::kChar));
   std::vector<char> match(1 + m), on;
+  std::vector<int64_t> l(k);
   for (int64_t r = 0; r < b; ++r) {
     int64_t *t = tok.data_ptr<int64_t>() + r * W, *p = parent.data_ptr<int64_t>() + r * W;
     int64_t* d = depth.data_ptr<int64_t>() + r * W;
     bool* a = alive.data_ptr<bool>() + r * W;
     int8_t* s = source.data_ptr<int8_t>() + r * W;
-    const int64_t* l = br.data_ptr<int64_t>() + r * k;
-    const int64_t len = bl.data_ptr<int64_t>()[r];
+    const int64_t len = branch.empty() ? 0 : branch[r].size();
+    std::fill(l.begin(), l.end(), 0);
+    if (len) std::copy(branch[r].begin(), branch[r].end(), l.begin());
     t[0] = an.data_ptr<int64_t>()[r], p[0] = 0, d[0] = 0, a[0] = true, s[0] = kAnchor;
     for (int64_t i = 0; i < m; ++i) {
       t[1 + i] = dt.data_ptr<int64_t>()[r * m + i], p[1 + i] = dp.data_ptr<int64_t>()[r * m + i];
@@ -99,18 +104,24 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
   return {tok, parent, depth, alive, source};
 }
 
-torch::Tensor tree_mask(torch::Tensor parent, torch::Tensor start, int64_t kv_len, int64_t max_depth) {
-  TORCH_CHECK(parent.dim() == 2 && parent.scalar_type() == torch::kLong && start.scalar_type() == torch::kLong &&
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> tree_inputs(torch::Tensor parent, torch::Tensor depth,
+                                                                     torch::Tensor start, int64_t kv_len,
+                                                                     int64_t max_depth) {
+  TORCH_CHECK(parent.dim() == 2 && parent.scalar_type() == torch::kLong && depth.scalar_type() == torch::kLong &&
+                  depth.sizes() == parent.sizes() && start.scalar_type() == torch::kLong &&
                   start.numel() == parent.size(0),
-              "tree_mask: parent [b, W] and start [b], int64");
-  const torch::Tensor pa = parent.contiguous(), st = start.contiguous();
+              "tree_inputs: parent and depth [b, W] and start [b], int64");
+  const torch::Tensor pa = parent.contiguous(), de = depth.contiguous(), st = start.contiguous();
   const int64_t b = pa.size(0), W = pa.size(1);
+  torch::Tensor positions = torch::empty({b, W}, pa.options()), slots = torch::empty({b, W}, pa.options());
   torch::Tensor mask = torch::zeros({b, 1, W, kv_len}, pa.options().dtype(torch::kBool));
   for (int64_t r = 0; r < b; ++r) {
     const int64_t s0 = st.data_ptr<int64_t>()[r];
-    const int64_t* p = pa.data_ptr<int64_t>() + r * W;
-    TORCH_CHECK(s0 >= 0 && s0 + W <= kv_len, "tree_mask: a row's tree runs past kv_len");
+    const int64_t *p = pa.data_ptr<int64_t>() + r * W, *d = de.data_ptr<int64_t>() + r * W;
+    TORCH_CHECK(s0 >= 0 && s0 + W <= kv_len, "tree_inputs: a row's tree runs past kv_len");
     for (int64_t q = 0; q < W; ++q) {
+      // node q: position start + its depth (RoPE), slot start + q (its K/V while it is verified)
+      positions.data_ptr<int64_t>()[r * W + q] = s0 + d[q], slots.data_ptr<int64_t>()[r * W + q] = s0 + q;
       bool* row = mask.data_ptr<bool>() + (r * W + q) * kv_len;
       std::fill(row, row + s0, true);
       // The node and its ancestors, found in max_depth + 1 rounds (tree.py `ancestors`).
@@ -118,7 +129,7 @@ torch::Tensor tree_mask(torch::Tensor parent, torch::Tensor start, int64_t kv_le
       for (int64_t i = 0; i <= max_depth; ++i) row[s0 + node] = true, node = p[node];
     }
   }
-  return mask;
+  return {positions, slots, mask};
 }
 
 AcceptedRows tree_accept(torch::Tensor tokens, torch::Tensor parent, torch::Tensor depth, torch::Tensor alive,

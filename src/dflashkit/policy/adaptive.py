@@ -40,7 +40,7 @@ class StepRecord:
     no_draft_rate: float = 0.0  # committed tokens per ms of the best cut without the drafter
     draft_in: tuple = (0, 0, None)  # the drafter's (context, pending features, block), for the cost model
     probe: bool = False  # the drafter runs as a probe
-    kept: list[np.ndarray] = field(default_factory=list)  # per row: kept node indices (0 = the anchor)
+    kept: list = field(default_factory=list)  # per row: kept node indices (0 = the anchor), ascending
     own: np.ndarray | None = None  # [b, W] each kept node's predicted acceptance (before prefix-closing)
     p: np.ndarray | None = None  # [b, W] drafter path probabilities (0: not a drafter node)
     drafter_node: np.ndarray | None = None  # [b, W] bool: proposed by the drafter
@@ -70,7 +70,7 @@ class AdaptivePolicy:
         rec = StepRecord(view.rows, view.ctx, live, view.live, view.keys)
         if self.looks.plain():
             self.probes.skip(self.cost.verify(view.rows, 1, view.ctx + 1))  # plain steps count toward a probe
-            rec.looked, rec.kept = False, [np.zeros(1, dtype=np.int64)] * view.rows
+            rec.looked, rec.kept = False, [[0]] * view.rows
             return Plan(look=False, draft=False, record=rec)
         t0 = self.clock()
         lk = view.lookup()
@@ -82,11 +82,11 @@ class AdaptivePolicy:
         if view.drafter and not lk.skips_drafter and self._wants_drafter(view, rec, cut, cost_of):
             rec.no_draft_rate = cut.rate
             return Plan(look=True, draft=True, scores=True, block=rec.draft_in[2], record=rec)
-        keep = rec.values >= cut.threshold
-        keep[:, 0] = True
+        # each row's nodes worth the cut's threshold (the anchor always): its first ones, as values fall along a copy
+        kept = [[0] + [j for j, v in enumerate(row[1:], 1) if v >= cut.threshold] for row in rec.values.tolist()]
         self._learn_look(cut, live, cost_of(1), 1000 * (self.clock() - t0))
-        rec.kept, rec.own, rec.width = [np.flatnonzero(k) for k in keep], rec.values, cut.width
-        return Plan(look=True, draft=False, lookup_keep=(keep.sum(1) - 1).tolist(), record=rec)
+        rec.kept, rec.own, rec.width = kept, rec.values, cut.width
+        return Plan(look=True, draft=False, lookup_keep=[len(k) - 1 for k in kept], record=rec)
 
     def cut(self, plan: Plan, tree: DraftTree) -> TreeCut:
         """A drafted step: keep the nodes worth their cost (`best_cut`), counting the drafter's time as spent."""
@@ -173,13 +173,11 @@ class AdaptivePolicy:
         """Each row's lookup nodes' expected acceptance [b, 1 + k]: rate(key)^j for its j-th copied token, times
         the row's factor, at most 1; -inf past its proposal (and for finished rows), ANCHOR in column 0."""
         k = max((len(p) for p in props), default=0)
-        lens = np.array([len(p) if on else 0 for p, on in zip(props, live)])
-        rates = np.array([self.acc.lookup_rate(key) if key else 0.0 for key in keys])  # key 0: no match
-        j = np.arange(1, k + 1)
-        vals = np.minimum(rates[:, None] ** j[None] * np.asarray(factor)[:, None], 1.0)
-        v = np.full((len(live), 1 + k), ANCHOR)
-        v[:, 1:] = np.where(j[None] <= lens[:, None], vals, -np.inf)
-        return v
+        rows = []
+        for p, on, key, f in zip(props, live, keys, factor):  # host floats: numpy's calls cost more on these sizes
+            rate, n = (self.acc.lookup_rate(key) if key else 0.0), (len(p) if on else 0)  # key 0: no match
+            rows.append([ANCHOR] + [min(rate ** j * f, 1.0) if j <= n else -math.inf for j in range(1, k + 1)])
+        return np.array(rows, dtype=np.float64).reshape(len(live), 1 + k)
 
     def _wants_drafter(self, view: StepView, rec: StepRecord, cut: CutChoice, cost_of) -> bool:
         """Run the drafter where drafting is predicted to beat this step's best without it (judged as `best_cut`
