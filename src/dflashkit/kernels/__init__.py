@@ -153,13 +153,21 @@ def available() -> bool:
     return load() is not None
 
 
+def on_cpu(*tensors: torch.Tensor):
+    """The compiled module where it already runs in this process and every tensor is on the CPU, else None: the caller
+    keeps its torch / Python version (the argmax, the drafter's top-k and beam here; tree.py's verify tree,
+    verifytree.cpp; corpus.py's match, corpusmatch.cpp; the drafter's feature writes, rowcopy.cpp). Never builds."""
+    mod = _state.get("mod")
+    return mod if mod is not None and all(t.device.type == "cpu" for t in tensors) else None
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [..., V] -> [...] int64: torch.argmax(logits, -1), for bf16 CPU logits without an fp32 copy where this
     process already runs our kernels (argmax.cpp: the same index, first maximum, NaN first); otherwise torch's
     argmax over the fp32 widening (exact for bf16/fp16: the same order, the same first maximum; torch's CPU argmax
     over bf16 itself is ~5x slower). Never builds the kernels."""
-    mod = _state.get("mod")
-    if mod is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.shape[-1]:
+    mod = on_cpu(logits)
+    if mod is not None and logits.dtype == torch.bfloat16 and logits.shape[-1]:
         return mod.argmax_bf16(logits)
     return logits.float().argmax(-1)
 
@@ -168,8 +176,8 @@ def draft_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     """logits [..., V] bf16 -> (log-probabilities [..., k] float32, ids [..., k]): each row's k best under
     log_softmax, best first, ties to the lower id (drafttree.cpp). None where this process does not already run our
     kernels or the logits are not bf16 on the CPU: the caller keeps torch's log_softmax + topk. Never builds."""
-    mod = _state.get("mod")
-    if mod is None or logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or not 1 <= k <= logits.shape[-1]:
+    mod = on_cpu(logits)
+    if mod is None or logits.dtype != torch.bfloat16 or not 1 <= k <= logits.shape[-1]:
         return None
     return mod.draft_topk(logits, k)
 
@@ -178,19 +186,10 @@ def beam_tree(tokens: torch.Tensor, logp: torch.Tensor, n: int, min_prob: float)
     """tree.py `topk_tree`'s beam for unconditioned slots in one call (drafttree.cpp): tokens [b, D, K] int64, logp
     [b, D, K] float32 -> (tokens, parent, depth, alive, score), each [b, n']. None where this process does not
     already run our kernels or the inputs are not on the CPU (the caller keeps the torch version). Never builds."""
-    mod = _state.get("mod")
-    if mod is None or tokens.device.type != "cpu" or logp.dtype != torch.float32 or n < 1:
+    mod = on_cpu(tokens)
+    if mod is None or logp.dtype != torch.float32 or n < 1:
         return None
     return mod.beam_tree(tokens, logp, n, math.log(min_prob) if min_prob > 0 else -math.inf)
-
-
-def on_cpu(*tensors: torch.Tensor):
-    """The compiled module where it already runs in this process and every tensor is on the CPU, else None (the
-    caller keeps its Python version: tree.py's verify tree, verifytree.cpp; corpus.py's match, corpusmatch.cpp; the
-    drafter's feature writes, rowcopy.cpp).
-    Never builds."""
-    mod = _state.get("mod")
-    return mod if mod is not None and all(t.device.type == "cpu" for t in tensors) else None
 
 
 def why_unavailable() -> str:
