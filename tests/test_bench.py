@@ -281,3 +281,32 @@ def test_lockstep_turn_order_balances_who_goes_first_and_who_follows_whom():
     follows = Counter((o[i - 1], o[i]) for o in orders for i in range(len(o)))
     assert follows == Counter({(a, b): 3 for a in names for b in names if a != b})
     assert turn_order(names, 0) == names and turn_order(names, 1) == names[::-1]
+
+
+def test_batch_sweep_runs_every_chunk_each_round_in_changing_orders():
+    """`--sweep-rounds`: each method runs every chunk once per round, and a chunk's methods do not take their turns
+    in the same order every round (the order a method runs in moves its time: `turn_order`)."""
+    from dflashkit.bench.runner import batch_sweep
+
+    calls = []
+
+    class Method:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, chunk, max_new):
+            calls.append((self.name, tuple(p[0] for p in chunk)))
+            return [Turn(tokens=[1] * max_new, accepted=[0] * max_new, new_tokens=max_new) for _ in chunk]
+
+        def policy_stats(self):
+            return None
+
+    prompts = [[i] for i in range(16)]  # 4 chunks of 4: with two methods the plain turn order repeats each round
+    out = batch_sweep({"a": Method("a"), "b": Method("b")}, prompts, [4], 3, "t", rounds=2)
+    assert out["a"]["4"]["rounds"] == 2 and out["b"]["4"]["tau"] == 1.0
+    for m in "ab":
+        assert sorted(c for n, c in calls if n == m) == sorted([tuple(range(i, i + 4)) for i in range(0, 16, 4)] * 2)
+    firsts = {}  # chunk -> which method went first, per round
+    for i in range(0, len(calls), 2):
+        firsts.setdefault(calls[i][1], []).append(calls[i][0])
+    assert all(len(set(f)) == 2 for f in firsts.values())

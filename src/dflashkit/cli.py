@@ -149,8 +149,8 @@ def cmd_bench(args) -> int:
     if not args.dataset and not args.prompts:
         raise DFlashError("give --dataset NAME (repeatable) or --prompts FILE.jsonl.")
     temps = args.temperature or [0.0]
-    if any(t < 0 for t in temps) or any(n < 1 for n in args.batch_size or []):
-        raise DFlashError("--temperature must be >= 0 and --batch-size >= 1.")
+    if any(t < 0 for t in temps) or any(n < 1 for n in args.batch_size or []) or args.sweep_rounds < 1:
+        raise DFlashError("--temperature must be >= 0, --batch-size >= 1 and --sweep-rounds >= 1.")
     from .bench.datasets import check_dataset, load_prompt_file
     for d in args.dataset or []:  # a bad dataset name or prompt file fails here, before the weights load
         check_dataset(d, args.speed_bench_dir)
@@ -159,7 +159,7 @@ def cmd_bench(args) -> int:
     cfg = BenchConfig(datasets=args.dataset or [], prompts_file=args.prompts, limit=args.limit,
                       max_new_tokens=args.max_new_tokens, block_sizes=args.block_size or [16],
                       temperature=temps[0], temperatures=temps[1:], batch_sizes=args.batch_size or [],
-                      methods=methods, out=args.out,
+                      sweep_rounds=args.sweep_rounds, methods=methods, out=args.out,
                       target=args.target, drafter=args.drafter, dtype=args.dtype, device=args.device,
                       backend=args.backend, kernel=args.kernel, quant=args.quant,
                       speed_bench_dir=args.speed_bench_dir, noise_prompts=args.noise_prompts,
@@ -317,6 +317,9 @@ def _bench_and_serve_parsers(sub) -> None:
                         "one-token rounding)")
     b.add_argument("--batch-size", type=int, action="append", default=None,
                    help="repeatable: throughput sweep of ar/dflash with N prompts decoded together (first turns)")
+    b.add_argument("--sweep-rounds", type=int, default=1,
+                   help="times the batch sweep runs its chunks, the methods' order changing each round (3 reads a "
+                        "few per cent at --limit 80 --batch-size 8)")
     b.add_argument("--methods", action="append", default=None,
                    help="comma list: ar,dflash,dflash-lookup,dflash-lookup-fixed,dflash-tree,lookup,hf,hf-lookup,"
                         "llamacpp,llamacpp-server,llamacpp-dflash,zlab,vllm,vllm-dflash")

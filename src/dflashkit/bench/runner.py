@@ -37,6 +37,7 @@ class BenchConfig:
     temperature: float = 0.0
     temperatures: list[float] = field(default_factory=list)  # extra temperatures: ar/dflash rows named `m@T<t>`
     batch_sizes: list[int] = field(default_factory=list)  # throughput sweep of our rows (first turns, batched)
+    sweep_rounds: int = 1  # times the sweep runs its chunks (`batch_sweep`)
     methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "hf", "hf-lookup"])
     out: str = "bench/results/latest"
     target: str | None = None
@@ -163,12 +164,14 @@ def run_interleaved(methods: dict, items: list[list[str]], tok, max_new: int, de
     return turns
 
 
-def batch_sweep(methods: dict, prompts: list[list[int]], sizes: list[int], max_new: int, desc: str) -> dict:
+def batch_sweep(methods: dict, prompts: list[list[int]], sizes: list[int], max_new: int, desc: str,
+                rounds: int = 1) -> dict:
     """Throughput with N prompts decoded together: tokens generated / wall time (prefill included), per N and method.
-    Returns {method: {N: {tokens_per_s, tau, prompts}}}; the prompts are taken in order, in chunks of N, and every
-    chunk is run by each method in turn (`turn_order`). Why interleaved: run one method's chunks after the other's,
-    the host's drift between the two runs (~10 % within minutes here) read as a difference between the methods
-    (the default at batch 8 measured 0.92-0.93x AR that way, 0.998x interleaved)."""
+    Returns {method: {N: {tokens_per_s, tau, prompts, rounds}}}; the prompts are taken in order, in chunks of N, and
+    every chunk is run by each method in turn (`turn_order`), `rounds` times over. Why interleaved: run one method's
+    chunks after the other's, the host's drift between the two runs (~10 % within minutes here) read as a difference
+    between the methods (the default at batch 8 measured 0.92-0.93x AR that way, 0.998x interleaved). Why rounds:
+    over 5-10 chunks of 8 the same code's ratio moved by +-5 % between runs (bench/results/batch-turns/)."""
     from tqdm import tqdm
 
     out: dict = {m: {} for m in methods}
@@ -178,9 +181,12 @@ def batch_sweep(methods: dict, prompts: list[list[int]], sizes: list[int], max_n
         wall = {m: 0.0 for m in methods}
         cycles: dict = {m: [] for m in methods}
         before = {m: meth.policy_stats() for m, meth in methods.items()}
-        for k, chunk in enumerate(tqdm(chunks, desc=f"{desc} batch {n} ({len(methods)} methods interleaved)",
-                                       unit="batch")):
-            for m in turn_order(list(methods), k):
+        for k in tqdm(range(rounds * len(chunks)), desc=f"{desc} batch {n} ({len(methods)} methods interleaved)",
+                      unit="batch"):
+            chunk = chunks[k % len(chunks)]
+            # rotated by the round: in each round a chunk's first method is another one than in the round before
+            order, r = turn_order(list(methods), k), (k // len(chunks)) % len(methods)
+            for m in order[r:] + order[:r]:
                 t0 = time.perf_counter()
                 turns = methods[m].run(chunk, max_new)
                 wall[m] += time.perf_counter() - t0
@@ -188,7 +194,7 @@ def batch_sweep(methods: dict, prompts: list[list[int]], sizes: list[int], max_n
                 cycles[m] += [a for t in turns for a in t.accepted]
         for m, meth in methods.items():
             cell = {"tokens_per_s": round(toks[m] / wall[m], 3) if wall[m] else 0.0,
-                    "tau": round(stats.tau(cycles[m]), 4), "prompts": len(prompts)}
+                    "tau": round(stats.tau(cycles[m]), 4), "prompts": len(prompts), "rounds": rounds}
             if before[m] is not None:  # what the adaptive policy chose at this batch size
                 cell["policy"] = meth.policy_stats().since(before[m]).summary()
             out[m][str(n)] = cell
@@ -264,7 +270,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         results[dname], outputs[dname] = run_dataset(ctx, methods, items, dname)
     if cfg.batch_sizes:
         sweeps["batch"] = {d: batch_sweep(ours, [encode_chat(ctx.tok, it[0]) for it in items], cfg.batch_sizes,
-                                          cfg.max_new_tokens, d) for d, items in sets.items()}
+                                          cfg.max_new_tokens, d, cfg.sweep_rounds) for d, items in sets.items()}
     for method in methods.values():
         if hasattr(method, "close"):
             method.close()
