@@ -1,6 +1,7 @@
 """The benchmark harness: dataset loaders, metric arithmetic, near-tie rule, report schema."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -296,7 +297,9 @@ def test_batch_sweep_runs_every_chunk_each_round_in_changing_orders():
 
         def run(self, chunk, max_new):
             calls.append((self.name, tuple(p[0] for p in chunk)))
-            return [Turn(tokens=[1] * max_new, accepted=[0] * max_new, new_tokens=max_new) for _ in chunk]
+            time.sleep(0.02)  # the chunk's prefill took its first 10 ms (each row's first token came then)
+            return [Turn(tokens=[1] * max_new, accepted=[0] * max_new, new_tokens=max_new, ttft_s=0.01)
+                    for _ in chunk]
 
         def policy_stats(self):
             return None
@@ -304,6 +307,8 @@ def test_batch_sweep_runs_every_chunk_each_round_in_changing_orders():
     prompts = [[i] for i in range(16)]  # 4 chunks of 4: with two methods the plain turn order repeats each round
     out = batch_sweep({"a": Method("a"), "b": Method("b")}, prompts, [4], 3, "t", rounds=2)
     assert out["a"]["4"]["rounds"] == 2 and out["b"]["4"]["tau"] == 1.0
+    # the steps' own rate: 2 of each row's 3 tokens over the 10 ms after the prefill, of the ~20 ms a chunk took
+    assert out["a"]["4"]["decode_tokens_per_s"] == pytest.approx(out["a"]["4"]["tokens_per_s"] * 4 / 3, rel=0.15)
     for m in "ab":
         assert sorted(c for n, c in calls if n == m) == sorted([tuple(range(i, i + 4)) for i in range(0, 16, 4)] * 2)
     firsts = {}  # chunk -> which method went first, per round

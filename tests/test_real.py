@@ -422,9 +422,13 @@ def test_cli_bench_and_export_run_end_to_end(tmp_path, capsys):
     out = tmp_path / "bench"
     assert main(["bench", "--dataset", "humaneval", "--limit", "1", "--max-new-tokens", "4", "--block-size", "4",
                  "--methods", "ar,dflash,dflash-lookup", "--dtype", "float32", "--noise-prompts", "1",
-                 "--out", str(out)]) == 0
-    rows = json.loads((out / "results.json").read_text())["results"]["humaneval"]
+                 "--batch-size", "1", "--sweep-rounds", "2", "--out", str(out)]) == 0
+    report = json.loads((out / "results.json").read_text())
+    rows = report["results"]["humaneval"]
+    assert {c["1"]["rounds"] for c in report["sweeps"]["batch"]["humaneval"].values()} == {2}
     assert {"ar", "dflash-b4", "dflash-b4-tree20p0.03-lookup16-adaptive"} <= set(rows)  # the CLI's default system
+    assert main(["bench", "--dataset", "humaneval", "--batch-size", "8", "--sweep-rounds", "0"]) == 2
+    assert "--sweep-rounds >= 1" in capsys.readouterr().err
     assert main(["export", "--format", "zlab", "--out", str(tmp_path / "zlab")]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["format"] == "zlab"
     assert (tmp_path / "zlab" / "config.json").is_file()

@@ -31,7 +31,8 @@ def markdown(report: dict) -> str:
                          f"that flipped {nz['max_gap_flipped']:g})")
     for d, rows in report.get("sweeps", {}).get("batch", {}).items():
         sizes = sorted({int(n) for r in rows.values() for n in r})
-        lines += ["", f"Throughput (tokens/s, prefill included) vs batch size, {d} first turns:", "",
+        lines += ["", f"Throughput (tokens/s, prefill included; decode: the tokens after each row's first over the "
+                  f"time after the chunk's prefill) vs batch size, {d} first turns:", "",
                   "| method | " + " | ".join(f"batch {n}" for n in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
         for m, r in rows.items():
             lines.append(f"| {m} | " + " | ".join(_batch_cell(r[str(n)]) for n in sizes) + " |")
@@ -91,7 +92,8 @@ def _adaptive_ratios(rows: dict, sizes: list[int]) -> list[str]:
 def _batch_cell(r: dict) -> str:
     p = r.get("policy")
     extra = f", drafter {100 * p['drafter_fraction']:.0f} %, {p['nodes_per_row']:.1f} nodes/row" if p else ""
-    return f"{r['tokens_per_s']:.1f} (tau {r['tau']:.2f}{extra})"
+    dec = f"decode {r['decode_tokens_per_s']:.1f}, " if "decode_tokens_per_s" in r else ""
+    return f"{r['tokens_per_s']:.1f} ({dec}tau {r['tau']:.2f}{extra})"
 
 
 def plots(report: dict, out: Path) -> list[Path]:
