@@ -167,11 +167,12 @@ def run_interleaved(methods: dict, items: list[list[str]], tok, max_new: int, de
 def batch_sweep(methods: dict, prompts: list[list[int]], sizes: list[int], max_new: int, desc: str,
                 rounds: int = 1) -> dict:
     """Throughput with N prompts decoded together: tokens generated / wall time (prefill included), per N and method.
-    Returns {method: {N: {tokens_per_s, decode_tokens_per_s, tau, prompts, rounds}}}; the prompts are taken in order, in chunks of N, and
-    every chunk is run by each method in turn (`turn_order`), `rounds` times over. Why interleaved: run one method's
-    chunks after the other's, the host's drift between the two runs (~10 % within minutes here) read as a difference
-    between the methods (the default at batch 8 measured 0.92-0.93x AR that way, 0.998x interleaved). Why rounds:
-    over 5-10 chunks of 8 the same code's ratio moved by +-5 % between runs (bench/results/batch-turns/)."""
+    Returns {method: {N: {tokens_per_s, decode_tokens_per_s, tau, prompts, rounds}}}; the prompts are taken in
+    order, in chunks of N, and every chunk is run by each method in turn (`turn_order`), `rounds` times over. Why
+    interleaved: run one method's chunks after the other's, the host's drift between the two runs (~10 % within
+    minutes here) read as a difference between the methods (the default at batch 8 measured 0.92-0.93x AR that way,
+    0.998x interleaved). Why rounds: over 5-10 chunks of 8 the same code's ratio moved by +-5 % between runs
+    (bench/results/batch-turns/)."""
     from tqdm import tqdm
 
     out: dict = {m: {} for m in methods}
