@@ -11,7 +11,8 @@ split into prefill (`DecodeBatch.add`) and steps (`DecodeBatch.step`). Ratios co
 over the chunk-rounds (paired: a resample takes the same chunk-rounds for every arm).
 
 --warm-b1 K first decodes K prompts one at a time on each arm (the bench's batch-1 rows come before its sweep, and
-the default's policy carries what it learned there into batch 8). Writes batch_turns.json, .md and .png.
+the default's policy carries what it learned there into batch 8); --fresh-policy then drops the engine's policies,
+so the sweep's default starts from a new one. Writes batch_turns.json, .md and .png.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def run(args) -> dict:
         for p in prompts[:args.warm_b1]:
             for c in configs.values():
                 engine.generate([p], max_new_tokens=args.max_new_tokens, config=c)
+        if args.fresh_policy:  # the sweep's default starts from a new policy, nothing carried over from batch 1
+            engine._policies.clear()
         before = engine.policy_stats()
         n = args.batch_size
         chunks = [prompts[i:i + n] for i in range(0, len(prompts), n)]
@@ -140,6 +143,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warm-b1", type=int, default=16, help="prompts decoded one at a time per arm first")
+    ap.add_argument("--fresh-policy", action="store_true",
+                    help="after the warm-up, drop the engine's step policies (what the default learned at batch 1)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     report(run(args), Path(args.out))
