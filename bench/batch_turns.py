@@ -32,22 +32,10 @@ from dflashkit import batch as batch_mod
 from dflashkit.bench.datasets import load_dataset
 from dflashkit.loader import encode_chat, load_models
 
+from host_work import timed  # noqa: E402  (bench/ is not a package)
+
 ARMS = {"ar": DecodeConfig.autoregressive, "ar-again": DecodeConfig.autoregressive,
         "default": DecodeConfig.recommended}
-
-
-def timers(clock: dict) -> None:
-    """Add the seconds of every `DecodeBatch.add` / `.step` call to clock["add"] / clock["step"]."""
-    for name in ("add", "step"):
-        f = getattr(batch_mod.DecodeBatch, name)
-
-        def timed(*a, _f=f, _name=name, **k):
-            t = time.perf_counter()
-            try:
-                return _f(*a, **k)
-            finally:
-                clock[_name] += time.perf_counter() - t
-        setattr(batch_mod.DecodeBatch, name, timed)
 
 
 def bootstrap(wall: np.ndarray, toks: np.ndarray, a: int, b: int, n: int = 2000) -> list[float]:
@@ -63,8 +51,9 @@ def run(args) -> dict:
     engine = DFlashEngine(target, drafter, tokenizer=tok)
     prompts = [encode_chat(tok, it[0]) for it in load_dataset(args.dataset, args.limit)]
     configs = {name: make() for name, make in ARMS.items()}
-    clock: dict = collections.Counter()
-    timers(clock)
+    clock, calls = collections.Counter(), collections.Counter()  # seconds in DecodeBatch.add / .step, their calls
+    for name in ("add", "step"):
+        timed(clock, calls, batch_mod.DecodeBatch, name, name)
     with torch.inference_mode():
         for c in configs.values():  # warm-up: kernels, the cost model, the corpus index
             engine.generate(prompts[:1], max_new_tokens=8, config=c)
@@ -98,10 +87,9 @@ def run(args) -> dict:
         if i:
             arms[m]["vs_ar"] = round(arms[m]["tokens_per_s"] / arms["ar"]["tokens_per_s"], 4)
             arms[m]["vs_ar_95"] = bootstrap(wall, toks, i, 0)
-    policy = {k: v for k, v in engine.policy_stats().items()}
     return {"command": "python bench/batch_turns.py " + " ".join(sys.argv[1:]), "batch_size": n,
             "prompts": len(prompts), "chunks": len(chunks), "rounds": args.rounds, "arms": arms,
-            "policy_before_sweep": before, "policy_after": policy, "cells": cells}
+            "policy_before_sweep": before, "policy_after": engine.policy_stats(), "cells": cells}
 
 
 def report(res: dict, out: Path) -> None:

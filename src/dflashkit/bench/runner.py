@@ -180,7 +180,8 @@ def batch_sweep(methods: dict, prompts: list[list[int]], sizes: list[int], max_n
         chunks = [prompts[i:i + n] for i in range(0, len(prompts), n)]
         toks = {m: 0 for m in methods}
         wall = {m: 0.0 for m in methods}
-        steps = {m: [0, 0.0] for m in methods}  # tokens after each row's first, and the wall time after the prefill
+        dec_toks = {m: 0 for m in methods}  # tokens after each row's first ...
+        dec_wall = {m: 0.0 for m in methods}  # ... and the wall time after the chunk's prefill
         cycles: dict = {m: [] for m in methods}
         before = {m: meth.policy_stats() for m, meth in methods.items()}
         for k in tqdm(range(rounds * len(chunks)), desc=f"{desc} batch {n} ({len(methods)} methods interleaved)",
@@ -191,17 +192,18 @@ def batch_sweep(methods: dict, prompts: list[list[int]], sizes: list[int], max_n
             for m in order[r:] + order[:r]:
                 t0 = time.perf_counter()
                 turns = methods[m].run(chunk, max_new)
-                wall[m] += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                wall[m] += dt
                 toks[m] += sum(t.new_tokens for t in turns)
                 # Why the steps apart: one long prompt's prefill can take most of a sweep (a 4,374-token prompt ~60 %
                 # of 80 held-out prompts at batch 8) and its noise decide the total. The chunk's rows join together
                 # after its whole prefill (`DecodeBatch.add`), so the last first token marks the prefill's end.
-                steps[m][0] += sum(max(t.new_tokens - 1, 0) for t in turns)
-                steps[m][1] += time.perf_counter() - t0 - max((t.ttft_s for t in turns), default=0.0)
+                dec_toks[m] += sum(max(t.new_tokens - 1, 0) for t in turns)
+                dec_wall[m] += dt - max((t.ttft_s for t in turns), default=0.0)
                 cycles[m] += [a for t in turns for a in t.accepted]
         for m, meth in methods.items():
             cell = {"tokens_per_s": round(toks[m] / wall[m], 3) if wall[m] else 0.0,
-                    "decode_tokens_per_s": round(steps[m][0] / steps[m][1], 3) if steps[m][1] > 0 else 0.0,
+                    "decode_tokens_per_s": round(dec_toks[m] / dec_wall[m], 3) if dec_wall[m] > 0 else 0.0,
                     "tau": round(stats.tau(cycles[m]), 4), "prompts": len(prompts), "rounds": rounds}
             if before[m] is not None:  # what the adaptive policy chose at this batch size
                 cell["policy"] = meth.policy_stats().since(before[m]).summary()
