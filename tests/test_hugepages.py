@@ -50,3 +50,41 @@ def test_nothing_moves_where_huge_pages_are_off(fresh, monkeypatch):
     t = torch.randn(4, 4)
     assert not hugepages.enabled() and hugepages.place(t) is t
     assert hugepages.place(torch.empty(0)).numel() == 0
+
+
+def _on_huge_pages(t: torch.Tensor) -> bool:
+    return "hg" in vm_flags(t.data_ptr())
+
+
+def test_rowlinear_targets_and_drafters_stream_their_bf16_weights_from_huge_pages(fresh):
+    """`use_rowlinear` (the bf16 weights: `--quant none`, the default on AVX2 CPUs) and `use_rowlinear_in` (the
+    drafter) move the weights the kernels stream onto huge pages. HF's projections and the tied embedding follow
+    them (stored once), and the logits keep their bits."""
+    from conftest import make_drafter, make_target
+
+    from dflashkit.kernels import available, use_rowlinear_in
+
+    if not hugepages.enabled() or not available():
+        pytest.skip("no transparent huge pages or no dflashkit kernels here")
+    ids, pos = torch.tensor([[5, 6, 7, 9]]), torch.arange(4)[None]
+    logits = []
+    for on in (False, True):
+        hugepages._state.clear()
+        hugepages._state["on"] = on
+        t = make_target("llama", torch.bfloat16, backend="lean")
+        t.use_rowlinear()
+        logits.append(t.logits(t.forward(ids, pos, t.new_cache(1, 4), kv_len=4, taps=False)[0]))
+    assert torch.equal(logits[0], logits[1])
+    hf = t.layers[0]
+    layer = t._layers[0]
+    for w in (layer.wqkv, layer.wgu, layer.wo, layer.wdown, t.head):
+        assert _on_huge_pages(w.codes), w
+    assert hf.self_attn.k_proj.weight.untyped_storage().data_ptr() == layer.wqkv.codes.untyped_storage().data_ptr()
+    assert hf.mlp.down_proj.weight.data_ptr() == layer.wdown.codes.data_ptr()
+    emb = t.model.get_input_embeddings().weight
+    assert emb.data_ptr() == t.head.codes.data_ptr()  # tied: one copy, on huge pages
+    d = make_drafter(t).to(torch.bfloat16)
+    before = {n: p.clone() for n, p in d.named_parameters()}
+    assert use_rowlinear_in(d) > 0
+    fc = d.fc.weight
+    assert _on_huge_pages(fc) and all(torch.equal(p, before[n]) for n, p in d.named_parameters())

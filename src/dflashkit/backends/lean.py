@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ..cache import PositionCache
 from ..errors import DFlashError
 from ..kernel_plan import KernelPlan
-from ..kernels import RowLinear, attend, key_lists
+from ..kernels import RowLinear, attend, hugepages, key_lists
 from .hf import HFTarget, architecture_of
 
 log = logging.getLogger(__name__)
@@ -66,14 +66,10 @@ class _Layer:
         self.wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
         self.wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight])
         self.wo, self.wdown = a.o_proj.weight, m.down_proj.weight
-        # HF's projections become views into the fused tensors: the HF model (reference, training taps) keeps
-        # working and the weights are stored once.
         nq, nk = a.q_proj.weight.shape[0], a.k_proj.weight.shape[0]
-        for mod, w in ((a.q_proj, self.wqkv[:nq]), (a.k_proj, self.wqkv[nq:nq + nk]), (a.v_proj, self.wqkv[nq + nk:]),
-                       (m.gate_proj, self.wgu[:m.gate_proj.weight.shape[0]]),
-                       (m.up_proj, self.wgu[m.gate_proj.weight.shape[0]:])):
-            mod.weight = torch.nn.Parameter(w, requires_grad=False)
         self.split = (nq, nk, nk)
+        self._hf = (a, m)
+        self._point_hf()
         self.ln_in, self.ln_post_attn = layer.input_layernorm, layer.post_attention_layernorm
         # Gemma 3 "sandwich" norms: post-attention norm BEFORE the residual add, and a pre/post pair around the MLP.
         self.ln_pre_ff = getattr(layer, "pre_feedforward_layernorm", None)
@@ -82,6 +78,23 @@ class _Layer:
         self.act = m.act_fn
         self.scaling = float(getattr(a, "scaling", a.head_dim ** -0.5))
         self.attn_type = attn_type
+
+    def _point_hf(self) -> None:
+        """HF's projections become views into the fused tensors: the HF model (reference, training taps) keeps
+        working and the weights are stored once."""
+        (a, m), (nq, nk, _) = self._hf, self.split
+        ng = m.gate_proj.weight.shape[0]
+        for mod, w in ((a.q_proj, self.wqkv[:nq]), (a.k_proj, self.wqkv[nq:nq + nk]), (a.v_proj, self.wqkv[nq + nk:]),
+                       (m.gate_proj, self.wgu[:ng]), (m.up_proj, self.wgu[ng:])):
+            mod.weight = torch.nn.Parameter(w, requires_grad=False)
+
+    def place(self, place) -> None:
+        """Move the four weights into the memory `place(t) -> copy` gives (kernels/hugepages.py), HF's
+        projections following them (o and down are the HF Parameters themselves: their data is replaced in place)."""
+        self.wqkv, self.wgu = place(self.wqkv), place(self.wgu)
+        self._point_hf()
+        for w in (self.wo, self.wdown):
+            w.data = place(w.data)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         g, u = _rows(x, self.wgu).chunk(2, dim=-1)
@@ -244,6 +257,12 @@ class LeanTarget(HFTarget):
                               "bfloat16 or --kernel torch.")
         if not available():
             raise DFlashError(f"the rowlinear kernel is unavailable: {why_unavailable()}; use --kernel torch.")
+        # Why huge pages: a step streams every weight (~270 MB in bf16 for SmolLM2-135M); on 4 KiB pages that is
+        # ~66,000 page translations a step (kernels/hugepages.py). The tied embedding follows the head's Parameter.
+        for layer in self._layers:
+            layer.place(hugepages.place)
+        self.lm_head_weight.data = hugepages.place(self.lm_head_weight.data)
+        hugepages.trim()
         for layer in self._layers:
             for name in ("wqkv", "wgu", "wo", "wdown"):
                 setattr(layer, name, RowLinear.from_bf16(getattr(layer, name)))

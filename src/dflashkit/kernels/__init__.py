@@ -415,11 +415,13 @@ def key_lists(positions: torch.Tensor, slots: torch.Tensor, kv_len: int, visible
 def use_rowlinear_in(module: torch.nn.Module) -> int:
     """Route every bias-free bfloat16 `nn.Linear` of `module` through `RowLinear` (for inference only: the drafter
     next to a target on our kernels, where torch's bf16 GEMM on 16-128 rows is what a drafting step waits for).
-    The kernel reads the same weight storage. Returns how many layers were routed."""
+    The kernel reads the same weight storage, moved onto huge pages (as the target's, `hugepages.py`; the
+    Parameter's data is replaced in place). Returns how many layers were routed."""
     n = 0
     for m in module.modules():
         if (isinstance(m, torch.nn.Linear) and m.bias is None and m.weight.dtype == torch.bfloat16
                 and m.in_features % 32 == 0 and m.weight.is_contiguous() and m.weight.device.type == "cpu"):
+            m.weight.data = hugepages.place(m.weight.data)
             lin = RowLinear.from_bf16(m.weight.detach())
             m.forward = (lambda x, lin=lin: lin(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], lin.n_out))
             n += 1

@@ -13,6 +13,7 @@ pages (`never`, not Linux): `place` returns the tensor itself. DFLASHKIT_HUGE_PA
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -70,6 +71,18 @@ def place(t: torch.Tensor) -> torch.Tensor:
         _state["buf"], used = _chunk(CHUNK), 0
     _state["used"] = -(-(used + n) // ALIGN) * ALIGN
     return _copy_into(_state["buf"], t, used)
+
+
+def trim() -> None:
+    """Hand the heap's free memory back to the system (glibc's `malloc_trim`), after tensors were moved here. Why:
+    torch frees the moved tensors' old storage into glibc's heap (allocations of a few MB come from it once glibc's
+    mmap threshold has risen), which keeps it resident: the default bf16 target held ~130 MB more without this."""
+    if not enabled():
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
+        pass
 
 
 def _copy_into(buf: torch.Tensor, t: torch.Tensor, off: int) -> torch.Tensor:
