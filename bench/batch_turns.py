@@ -4,7 +4,7 @@
 
 Why: `dflashkit bench --batch-size 8` runs each chunk of N prompts once per method; with 5-10 chunks its ratio moves
 by +-5 % between runs of the same code, so it cannot say whether the default holds issue 34's 0.95x floor. Here
-every chunk runs `--rounds` times on every arm, the arms' order rotating chunk by chunk and round by round, and a
+every chunk runs `--rounds` times on every arm in `runner.turn_order` (who goes first rotates, the cycle flips), and a
 second plain arm ("ar-again", the same config) is the A/A control: its ratio to "ar" is the noise the default's
 ratio is read against. Per arm: tokens / wall seconds (prefill included, as the sweep counts them), and the wall
 split into prefill (`DecodeBatch.add`) and steps (`DecodeBatch.step`). Ratios come with 95 % bootstrap intervals
@@ -30,6 +30,7 @@ import torch
 from dflashkit import DecodeConfig, DFlashEngine
 from dflashkit import batch as batch_mod
 from dflashkit.bench.datasets import load_dataset
+from dflashkit.bench.runner import turn_order
 from dflashkit.loader import encode_chat, load_models
 
 from host_work import timed  # noqa: E402  (bench/ is not a package)
@@ -70,7 +71,7 @@ def run(args) -> dict:
         from tqdm import tqdm
         for k in tqdm(range(args.rounds * len(chunks)), desc=f"batch {n}, {len(names)} arms by turns", unit="chunk"):
             chunk = chunks[k % len(chunks)]
-            for m in names[k % len(names):] + names[:k % len(names)]:
+            for m in turn_order(names, k):  # who goes first rotates and the cycle flips: no arm always follows one
                 clock.clear()
                 t0 = time.perf_counter()
                 outs = engine.generate(chunk, max_new_tokens=args.max_new_tokens, config=configs[m])
