@@ -22,6 +22,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -49,8 +50,9 @@ struct Weights {
   int64_t K, row_bytes;
 };
 
-// Weights k .. k+7 of row n as fp32 (k % 8 == 0). The ONE place weights are decoded: the fused one-token path and
-// the buffered path both call it, so a weight has the same fp32 value (hence every product the same bits) in both.
+// Weights k .. k+7 of row n as fp32 (k % 8 == 0). The ONE definition of a weight's value: `decode_block` (4/8-bit
+// codes a block at a time, the fused and the buffered paths) runs these same operations, so a weight has the same
+// fp32 value (hence every product the same bits) on every path.
 // KIND: the weight kind as a template argument where the caller knows it (the inner loops: no branch per load), or
 // -1 to read W.kind.
 template <int KIND = -1>
@@ -96,12 +98,54 @@ struct Prefetch {
 
 // MR tokens x R weight rows (n0 + r0 ..), weights decoded straight from the codes: each weight is read from memory
 // (or L1) and decoded once per MR tokens, with no buffer traffic. Results go to out[i][r0 + r].
+// 4/8-bit codes (KIND 1, 2): the same products in the same order, a 32-block at a time, each row's scale (and
+// minimum) broadcast once per block and a Q4_1 block's 16 code bytes read once (`load8` reads them per 8 weights:
+// two scalar loads, two broadcasts and a code load for every 8 weights). Each weight is fma(d, q, m) / d * q as in
+// `load8`, so the bits are the same.
+template <int KIND>
+inline void decode_block(const Weights& W, int64_t n, int64_t b, __m256 w[4]) {
+  const uint8_t* row = W.codes + n * W.row_bytes;
+  const __m256 d = _mm256_set1_ps(W.d[n * (W.K / 32) + b]);
+  if (KIND == 1) {  // chunk c: low nibbles of bytes 0-7 / 8-15 (c = 0, 1), high nibbles of them (c = 2, 3)
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+    const __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0f));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0f));
+    const __m256 m = _mm256_set1_ps(W.m[n * (W.K / 32) + b]);
+    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int c = 0; c < 4; ++c) w[c] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[c])), m);
+  } else {
+    for (int c = 0; c < 4; ++c) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + b * 32 + c * 8));
+      w[c] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
+  }
+}
+
 template <int KIND, int MR, int R>
 inline void fused_tile(const Weights& W, int64_t n0, int r0, const float* x, int64_t ldx, float out[][TILE],
                        Prefetch& pf) {
   __m256 acc[MR][R];
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+  if (KIND == 1 || KIND == 2) {
+    for (int64_t b = 0; b < W.K / 32; ++b) {
+      for (int c = 0; c < 4; ++c) pf.step();
+      // Why unrolled: a loop over r left standing keeps acc[][] in memory (a store and a load around every fma)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        __m256 wv[4];
+        decode_block<KIND>(W, n0 + r0 + r, b, wv);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c)
+#pragma GCC unroll 4
+          for (int i = 0; i < MR; ++i)
+            acc[i][r] = _mm256_fmadd_ps(wv[c], _mm256_loadu_ps(x + i * ldx + b * 32 + c * 8), acc[i][r]);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < R; ++r) out[i][r0 + r] = hsum8(acc[i][r]);
+    return;
+  }
   for (int64_t k = 0; k < W.K; k += 8) {
     pf.step();
     __m256 xv[MR];
@@ -468,11 +512,23 @@ torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, t
         continue;
       }
       // Decode the tile once into buf (rows past the matrix as zeros) and reuse it for all tokens.
-      for (int64_t r = 0; r < TILE; ++r)
-        for (int64_t k = 0; k < K; k += 8) {
-          if (r == 0) pf.step();
-          _mm256_storeu_ps(buf.data() + r * K + k, r < rows ? load8(W, n0 + r, k) : _mm256_setzero_ps());
+      for (int64_t r = 0; r < TILE; ++r) {
+        float* row = buf.data() + r * K;
+        if (r >= rows) {
+          std::fill(row, row + K, 0.0f);
+          continue;
         }
+        for (int64_t b = 0; b < K / 32; ++b) {
+          __m256 w[4];
+          if (r == 0)
+            for (int c = 0; c < 4; ++c) pf.step();
+          if (kind == 1) decode_block<1>(W, n0 + r, b, w);
+          else if (kind == 2) decode_block<2>(W, n0 + r, b, w);
+          else
+            for (int c = 0; c < 4; ++c) w[c] = load8<0>(W, n0 + r, b * 32 + c * 8);
+          for (int c = 0; c < 4; ++c) _mm256_storeu_ps(row + b * 32 + c * 8, w[c]);
+        }
+      }
       tile_tokens<true, 0>(W, buf.data(), n0, xp, M, N, rows, pf, yp);
     }
   });
