@@ -1,6 +1,6 @@
 """The kernels (every C++ source) as built now vs as built at an earlier revision, A/B in real steps in one process.
 
-    .venv/bin/python bench/kernels_ab.py --before REV --out bench/results/NAME [--aa] [--rounds 150]
+    .venv/bin/python bench/kernels_ab.py --before REV --out bench/results/NAME [--aa] [--rounds 150] [--quant Q]
 
 For kernel changes that keep the Python side's layouts (what `_pack` and the stacks hand the kernels): the sources
 under src/dflashkit/kernels/ at REV are compiled here as a second module (its own name; the class `Stack` renamed
@@ -52,10 +52,10 @@ def build_before(rev: str, where: Path):
                 extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", "-DStack=StackBefore", f"-I{where}"])
 
 
-def arm(mod, ctx: int) -> tuple[dict, object]:
+def arm(mod, ctx: int, quant: str | None) -> tuple[dict, object]:
     """One engine built while `kernels.load()` returns `mod`: its steps (each run once) and its target."""
     kernels._state["mod"] = mod
-    return engine_steps(ctx)
+    return engine_steps(ctx, quant)
 
 
 def main() -> int:
@@ -63,13 +63,14 @@ def main() -> int:
 
     ap = ab_parser(__doc__, "the current module in both arms (the A/A control)")
     ap.add_argument("--before", required=True, help="the revision whose kernel sources are arm A")
+    ap.add_argument("--quant", default=None, help="the target's --quant (default: the host's default)")
     args = ap.parse_args()
     now = kernels.load()
     if now is None:
         raise SystemExit(f"the kernels are unavailable here: {kernels.why_unavailable()}")
     with torch.inference_mode(), tempfile.TemporaryDirectory() as tmp:
         mods = {"before": now if args.aa else build_before(args.before, Path(tmp)), "after": now}
-        built = {name: arm(mod, args.context) for name, mod in mods.items()}
+        built = {name: arm(mod, args.context, args.quant) for name, mod in mods.items()}
         fns = {name: b[0] for name, b in built.items()}
         same = {}
         for w in (1, 4):  # a fresh w-token step per arm on the same ids: the logits' bits
@@ -91,7 +92,7 @@ def main() -> int:
            "verify4_over_step1": {name: round(ms["target_w4"][name] / ms["target_w1"][name], 3) for name in mods},
            "meta": {"command": "bench/kernels_ab.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
                     "cpu": cpu_name(), "threads": torch.get_num_threads(), "rounds": args.rounds, "aa": args.aa,
-                    "before": args.before, "context": args.context, "engine": built["after"][1].engine_name}}
+                    "before": args.before, "quant": args.quant, "context": args.context, "engine": built["after"][1].engine_name}}
     write_result(args.out, "kernels_ab", res, report(res), plot)
     print(report(res))
     return 0

@@ -39,9 +39,10 @@ WIDTHS = [1, 2, 4, 8, 16]  # the target steps' new tokens (one row, after a --co
 BLOCKS = [2, 4, 16]  # the drafting steps' blocks
 
 
-def engine_steps(ctx: int) -> tuple[dict, object]:
-    """The default engine (default target, bundled drafter) loaded now, and its steps by name ("target_w4",
-    "draft_b16"), each run once (what is built lazily is built now, under the caller's settings); and its target."""
+def engine_steps(ctx: int, quant: str | None = None) -> tuple[dict, object]:
+    """The default engine (default target, bundled drafter; `--quant` `quant`, None: the default) loaded now, and its
+    steps by name ("target_w4", "draft_b16"), each run once (what is built lazily is built now, under the caller's
+    settings); and its target."""
     import torch
 
     from dflashkit import DFlashEngine
@@ -50,7 +51,7 @@ def engine_steps(ctx: int) -> tuple[dict, object]:
     from draft_block import step_ms, target_step
 
     with torch.inference_mode():
-        target, tok, drafter, _ = load_models(dtype="bfloat16")
+        target, tok, drafter, _ = load_models(dtype="bfloat16", quant=quant)
         eng = DFlashEngine(target, drafter, tokenizer=tok)
         fns = {f"target_w{w}": target_step(target, ctx, w) for w in WIDTHS}
         fns.update({f"draft_b{b}": step_ms(eng, b, 1, ctx) for b in BLOCKS})
