@@ -96,8 +96,6 @@ struct Prefetch {
   }
 };
 
-// MR tokens x R weight rows (n0 + r0 ..), weights decoded straight from the codes: each weight is read from memory
-// (or L1) and decoded once per MR tokens, with no buffer traffic. Results go to out[i][r0 + r].
 // 4/8-bit codes (KIND 1, 2): the same products in the same order, a 32-block at a time, each row's scale (and
 // minimum) broadcast once per block and a Q4_1 block's 16 code bytes read once (`load8` reads them per 8 weights:
 // two scalar loads, two broadcasts and a code load for every 8 weights). Each weight is fma(d, q, m) / d * q as in
@@ -121,6 +119,8 @@ inline void decode_block(const Weights& W, int64_t n, int64_t b, __m256 w[4]) {
   }
 }
 
+// MR tokens x R weight rows (n0 + r0 ..), weights decoded straight from the codes: each weight is read from memory
+// (or L1) and decoded once per MR tokens, with no buffer traffic. Results go to out[i][r0 + r].
 template <int KIND, int MR, int R>
 inline void fused_tile(const Weights& W, int64_t n0, int r0, const float* x, int64_t ldx, float out[][TILE],
                        Prefetch& pf) {
