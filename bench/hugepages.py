@@ -29,8 +29,7 @@ from step_ab import ab_parser, engine_steps, plot_ratios, step_label  # noqa: E4
 def arm_steps(on: bool, ctx: int) -> tuple[dict, str]:
     """One engine's steps, loaded with `hugepages` on or off, each run once (weights packed lazily are packed now,
     under this arm's setting); and the target's engine name."""
-    hugepages._state.clear()
-    hugepages._state["on"] = on
+    hugepages.set_enabled(on)
     fns, target = engine_steps(ctx)
     return fns, target.engine_name
 

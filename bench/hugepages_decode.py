@@ -29,8 +29,7 @@ METHODS = {"ar": DecodeConfig.autoregressive, "default": DecodeConfig.recommende
 
 def engine(on: bool) -> DFlashEngine:
     """The default engine, loaded (and its drafter's kernels applied) with huge pages on or off."""
-    hugepages._state.clear()
-    hugepages._state["on"] = on
+    hugepages.set_enabled(on)
     target, tok, drafter, _ = load_models(dtype="bfloat16")
     return DFlashEngine(target, drafter, tokenizer=tok)
 

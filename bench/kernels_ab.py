@@ -92,7 +92,8 @@ def main() -> int:
            "verify4_over_step1": {name: round(ms["target_w4"][name] / ms["target_w1"][name], 3) for name in mods},
            "meta": {"command": "bench/kernels_ab.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
                     "cpu": cpu_name(), "threads": torch.get_num_threads(), "rounds": args.rounds, "aa": args.aa,
-                    "before": args.before, "quant": args.quant, "context": args.context, "engine": built["after"][1].engine_name}}
+                    "before": args.before, "quant": args.quant, "context": args.context,
+                    "engine": built["after"][1].engine_name}}
     write_result(args.out, "kernels_ab", res, report(res), plot)
     print(report(res))
     return 0

@@ -69,8 +69,7 @@ def test_rowlinear_targets_and_drafters_stream_their_bf16_weights_from_huge_page
     ids, pos = torch.tensor([[5, 6, 7, 9]]), torch.arange(4)[None]
     logits = []
     for on in (False, True):
-        hugepages._state.clear()
-        hugepages._state["on"] = on
+        hugepages.set_enabled(on)
         t = make_target("llama", torch.bfloat16, backend="lean")
         t.use_rowlinear()
         logits.append(t.logits(t.forward(ids, pos, t.new_cache(1, 4), kv_len=4, taps=False)[0]))

@@ -249,7 +249,8 @@ class LeanTarget(HFTarget):
 
     def use_rowlinear(self) -> None:
         """Run every bf16 linear (and the head) through our row-invariant kernel (kernels/rowlinear.cpp): the same
-        weights, no copy; fast at any row count where torch's bf16 GEMM is not (CPUs without bf16 units)."""
+        weights, moved onto huge pages (stored once); fast at any row count where torch's bf16 GEMM is not (CPUs
+        without bf16 units)."""
         from ..kernels import available, why_unavailable
 
         if self.dtype != torch.bfloat16:
@@ -259,16 +260,15 @@ class LeanTarget(HFTarget):
             raise DFlashError(f"the rowlinear kernel is unavailable: {why_unavailable()}; use --kernel torch.")
         # Why huge pages: a step streams every weight (~270 MB in bf16 for SmolLM2-135M); on 4 KiB pages that is
         # ~66,000 page translations a step (kernels/hugepages.py). The tied embedding follows the head's Parameter.
+        self.lm_head_weight.data = hugepages.place(self.lm_head_weight.data)
         for layer in self._layers:
             layer.place(hugepages.place)
-        self.lm_head_weight.data = hugepages.place(self.lm_head_weight.data)
-        hugepages.trim()
-        for layer in self._layers:
             for name in ("wqkv", "wgu", "wo", "wdown"):
                 setattr(layer, name, RowLinear.from_bf16(getattr(layer, name)))
         self.stack = None  # it held the old weights: build it again after the linears change (`use_layer_stack`)
         self.head = RowLinear.from_bf16(self.lm_head_weight)
         self.kernel, self.codes = "rowlinear", False
+        hugepages.trim()  # the old storage, now unreferenced
 
     def linear_weights(self) -> list[torch.Tensor]:
         """The weights F.linear multiplies under `kernel == "torch"` (the exactness self-check probes them)."""

@@ -44,6 +44,13 @@ def enabled() -> bool:
     return _state["on"]
 
 
+def set_enabled(on: bool) -> None:
+    """Force `place` on or off for what is placed next, whatever the system offers (A/B runs and tests that load
+    one engine each way in one process)."""
+    _state.clear()
+    _state["on"] = on
+
+
 def _chunk(nbytes: int) -> torch.Tensor:
     """A fresh uint8 [nbytes] starting on a 2 MiB boundary, advised as huge pages before any page is touched (a
     page already faulted in as 4 KiB would stay so)."""
