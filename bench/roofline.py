@@ -33,10 +33,13 @@ SHORT_BLOCKS = [2, 4]  # drafting blocks timed at one row beside the drafter's o
 
 def machine_probes() -> dict:
     """The machine's probes, timed in the same rounds as the steps: a 512 MB float32 sum (streaming bandwidth) and
-    torch's fp32 and bf16 GEMM at 1024 x 2048 x 2048 (the peak dot-product rate: the faster)."""
+    torch's fp32 and bf16 GEMM at 1024 x 2048 x 2048 (the peak dot-product rate: the faster). The bf16 GEMM only
+    where the CPU has a bf16 unit (AVX512-BF16, AMX): elsewhere torch runs it at ~0.3 GFLOP/s (an AMD EPYC with
+    AVX2), ~30 s a call that can never be the faster."""
     a = torch.ones(128 * 1024 * 1024)
     probes = {"m_stream": a.sum}
-    for dt in (torch.float32, torch.bfloat16):
+    bf16_unit = any(f in cpu_name() for f in ("avx512_bf16", "amx_bf16"))
+    for dt in (torch.float32, torch.bfloat16) if bf16_unit else (torch.float32,):
         x, w = torch.randn(1024, 2048).to(dt), torch.randn(2048, 2048).to(dt)
         probes["m_" + str(dt).split(".")[1]] = lambda x=x, w=w: x @ w
     return probes
@@ -44,7 +47,7 @@ def machine_probes() -> dict:
 
 def machine(ms: dict) -> dict:
     """Streaming bandwidth (GB/s) and GEMM rates (GFLOP/s) from the probes' median ms."""
-    rates = {k[2:]: 2 * 1024 * 2048 * 2048 / ms[k] / 1e6 for k in ("m_float32", "m_bfloat16")}
+    rates = {k[2:]: 2 * 1024 * 2048 * 2048 / ms[k] / 1e6 for k in ("m_float32", "m_bfloat16") if k in ms}
     return {"bandwidth_gb_s": 128 * 1024 * 1024 * 4 / ms["m_stream"] / 1e6, "gemm_gflop_s": rates,
             "peak_gflop_s": max(rates.values())}
 
