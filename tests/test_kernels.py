@@ -391,13 +391,25 @@ def test_layer_stack_is_bitwise_batch_invariant(arch, codes, n, prompt, seed, is
     assert inv.exact and inv.max_diff == 0.0, inv
 
 
+@pytest.fixture
+def avx2_path():
+    """rowlinear's 8-lane fp32 path, the one bf16 weights take on a CPU without AVX512-BF16 (forced on one that has
+    it), for this test only."""
+    set_isa("avx2")
+    yield
+    set_isa("auto")
+
+
 @pytest.mark.parametrize("arch", STACKED_ARCHS)
-@pytest.mark.parametrize("codes", ["int4", "int4-a8"])
+@pytest.mark.parametrize("codes", ["int4", "int4-a8", "bf16"])
 @pytest.mark.parametrize("rows,width", [(1, 1), (1, 4), (1, 7), (3, 1), (2, 5)])
-def test_the_team_forward_gives_the_per_step_loops_bits(arch, codes, rows, width):
-    """Where every linear reads packed codes (plinear's, qlinear's), the stack runs each forward as one OpenMP team
-    sharing the glue (layers.cpp `forward_team`); the per-step loop is the reference: the same logits, taps and
-    cache, bit for bit, on the prompt's prefill and on the step after it."""
+def test_the_team_forward_gives_the_per_step_loops_bits(arch, codes, rows, width, request):
+    """Where every linear reads packed codes (plinear's, qlinear's) or runs rowlinear's fp32 path (bf16 weights on
+    an AVX2 CPU), the stack runs each forward as one OpenMP team sharing the glue (layers.cpp `forward_team`); the
+    per-step loop is the reference: the same logits, taps and cache, bit for bit, on the prompt's prefill and on the
+    step after it."""
+    if codes == "bf16":
+        request.getfixturevalue("avx2_path")
     t = _stacked(arch, codes)
     t.tap_ids = [1, 4]
     ids = torch.randint(4, 90, (rows, 30 + width), generator=torch.Generator().manual_seed(rows * 10 + width))

@@ -83,6 +83,16 @@ struct Linear {
     if (path == 2) return plinear(x, codes, d, m, kind, n_out, bf16);
     return rowlinear(x, codes, d, m, kind, n_out, bf16);
   }
+  // K: the packed codes' (pw), or from rowlinear's own codes [N, K * bytes per weight]
+  int64_t in_features() const {
+    if (pw.codes) return pw.K;
+    const int64_t bytes = codes.numel() * codes.element_size();
+    return kind == 0 ? bytes / n_out / 2 : (kind == 1 ? bytes / n_out * 2 : bytes / n_out);
+  }
+  // Whether the team forward can run it: packed codes (plinear's, qlinear's), or rowlinear's codes where rowlinear
+  // runs its fp32 path (asked at every forward: the ISA may be switched between calls). rowlinear's codes are read
+  // through the tensors at each call, not a pointer kept here: the huge-page move (hugepages.py) may replace them.
+  bool on_team() const { return pw.codes || (path == 0 && rowlinear_fp32_path()); }
 };
 
 Linear make_linear(torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind, int64_t n_out, int64_t path) {
@@ -439,7 +449,9 @@ class Stack {
 
   // ---- the team forward ------------------------------------------------------------------------------------
   // Where every linear reads packed codes (plinear's: the int4 target on AVX512-BF16 CPUs; qlinear's: the drafter's
-  // Q8_0 copies, the int4-a8 target), `forward` runs as ONE OpenMP team (or, where `attend` would not take its
+  // Q8_0 copies, the int4-a8 target) or runs rowlinear's fp32 path (the bf16 target on AVX2-only CPUs; there the
+  // second thread sat idle ~21 % of a one-token step while the first ran the glue and ~120 tensor allocations),
+  // `forward` runs as ONE OpenMP team (or, where `attend` would not take its
   // grouped short-list layout, one team per layer between the attention calls): the threads go through the steps
   // together, a barrier between them, and share the glue too (norms, SiLU, the residual adds, the activations'
   // layout, the heads' rotary) instead of the calling thread running it while the other waits for the next fork.
@@ -454,18 +466,21 @@ class Stack {
     uint32_t* pairs;        // the next plinear Q4_1 linear's activations laid out (plinear_lay_out)
     float *sums, *y;        // their block sums; a linear's fp32 sums [M, N]
     QlinearActs qa;         // the next qlinear linear's activations as int8 blocks (qlinear_quantize)
+    float* xf;              // the next rowlinear linear's activations widened to fp32 [M, K] (rowlinear_widen)
   };
 
-  // Whether `forward` runs on the team (`set_team` on, every linear on packed codes, no DFlash2 convolutions, the
-  // linears' shapes the model's: K = H for qkv and gate_up, the attention width for o, one intermediate size for down).
+  // Whether `forward` runs on the team (`set_team` on, every linear on packed codes or on rowlinear's fp32 path
+  // (`Linear::on_team`), no DFlash2 convolutions, the linears' shapes the model's: K = H for qkv and gate_up, the
+  // attention width for o, one intermediate size for down).
  public:
   bool on_team() const {
     if (layers_.empty() || !team_) return false;
-    const int64_t H = layers_[0].ln_in.numel(), I = layers_[0].down.pw.K;
+    const int64_t H = layers_[0].ln_in.numel(), I = layers_[0].down.in_features();
     for (const Layer& ly : layers_) {
       for (const Linear* l : {&ly.qkv, &ly.o, &ly.gate_up, &ly.down})
-        if (!l->pw.codes || !ly.convs.empty()) return false;
-      if (ly.qkv.pw.K != H || ly.gate_up.pw.K != H || ly.o.pw.K != nh_ * hd_ || ly.down.pw.K != I ||
+        if (!l->on_team() || !ly.convs.empty()) return false;
+      if (ly.qkv.in_features() != H || ly.gate_up.in_features() != H || ly.o.in_features() != nh_ * hd_ ||
+          ly.down.in_features() != I ||
           ly.gate_up.n_out != 2 * I || ly.o.n_out != H || ly.down.n_out != H || I % 32)
         return false;
     }
@@ -473,19 +488,27 @@ class Stack {
   }
 
  private:
-  // y = L(x) over this thread's weight groups; x [M, K] bf16, prepared by the step before (`prepare`).
+  // y = L(x) over this thread's weight groups (rowlinear: tiles of rows); x [M, K] bf16, prepared by the step before
+  // (`prepare`).
   static void tiles(const Linear& L, const uint16_t* x, const Bufs& b, int tid, int nt) {
+    if (L.path == 0) {
+      const auto [t0, t1] = thread_share(rowlinear_tile_count(L.n_out), tid, nt);
+      rowlinear_tiles(L.codes, L.d, L.m, L.kind, L.n_out, L.in_features(), b.xf, b.M, t0, t1, b.y);
+      return;
+    }
     const auto [g0, g1] = thread_share(packed_group_count(L.n_out), tid, nt);
     if (L.path == 2) plinear_groups(L.pw, x, b.pairs, b.sums, b.M, g0, g1, b.y);
     else qlinear_groups(L.pw, b.qa, b.M, g0, g1, b.y);
   }
 
-  // Blocks [f0, f1) of x's 32-element blocks made ready for L: laid out (plinear's Q4_1) or quantized (qlinear).
+  // Blocks [f0, f1) of x's 32-element blocks made ready for L: laid out (plinear's Q4_1), quantized (qlinear) or
+  // widened to fp32 (rowlinear).
   static void prepare(const Linear& L, const uint16_t* x, int64_t f0, int64_t f1, const Bufs& b) {
     if (L.path == 2 && L.kind == 1) plinear_lay_out(x, f0, f1, b.pairs, b.sums);
     if (L.path == 1) qlinear_quantize(x, f0, f1, b.qa);
+    if (L.path == 0) rowlinear_widen(x, f0, f1, b.xf);
   }
-  static bool prepares(const Linear& L) { return L.path == 1 || L.kind == 1; }
+  static bool prepares(const Linear& L) { return L.path != 2 || L.kind == 1; }
 
   // This thread's rows: x += the linear's sums in y (add), the taps at layer i, then the norm `w` into h, prepared
   // for `next` (null: the final norm, no linear follows).
@@ -562,7 +585,7 @@ class Stack {
                     const torch::Tensor& sin, const std::vector<torch::Tensor>& keys,
                     const std::vector<torch::Tensor>& values, const torch::Tensor& slots, const torch::Tensor& head,
                     const torch::Tensor& tail, const std::vector<int64_t>& taps, int64_t B, int64_t Q) const {
-    const int64_t M = x.size(0), H = x.size(1), A = nh_ * hd_, I = layers_[0].down.pw.K, nl = layers_.size();
+    const int64_t M = x.size(0), H = x.size(1), A = nh_ * hd_, I = layers_[0].down.in_features(), nl = layers_.size();
     const int64_t K = std::max({H, A, I}), N = std::max({layers_[0].qkv.n_out, 2 * I, H});
     const auto opt = x.options();
     torch::Tensor act = torch::empty({M, I}, opt), q = torch::empty({B, Q, nh_, hd_}, opt);
@@ -573,8 +596,9 @@ class Stack {
     torch::Tensor ds = torch::empty({2, M * K / 32}, y.options());         // their scales, then d * sum(q)
     const QlinearActs qa{reinterpret_cast<int8_t*>(qu.data_ptr<uint8_t>()), qu.data_ptr<uint8_t>() + M * K,
                          ds.data_ptr<float>(), ds.data_ptr<float>() + M * K / 32};
+    torch::Tensor xf = torch::empty({M * K}, y.options());  // rowlinear's widened activations
     const Bufs b{M, H, A, I, bits_mut(x), bits_mut(h), bits_mut(act), reinterpret_cast<uint32_t*>(pairs.data_ptr()),
-                 sums.data_ptr<float>(), y.data_ptr<float>(), qa};
+                 sums.data_ptr<float>(), y.data_ptr<float>(), qa, xf.data_ptr<float>()};
     uint16_t* fp = bits_mut(feats);
     std::vector<HeadsTo> to;
     for (int64_t i = 0; i < nl; ++i)

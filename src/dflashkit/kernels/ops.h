@@ -48,6 +48,16 @@ struct QlinearActs {
 void qlinear_quantize(const uint16_t* x, int64_t f0, int64_t f1, const QlinearActs& a);
 void qlinear_groups(const PackedLinear& w, const QlinearActs& a, int64_t M, int64_t g0, int64_t g1, float* y);
 bool plinear_available();  // an AVX512-BF16 CPU, the ISA not forced to avx2 (rowlinear.cpp)
+// rowlinear's 8-lane fp32 path in a caller's own parallel region (layers.cpp's team forward), a barrier between the
+// two phases: blocks [f0, f1) of x's bf16 32-element blocks widened to fp32 (exact), then tiles [t0, t1) of its
+// `rowlinear_tile_count` tiles of weight rows into y [M, n_out] fp32, from its own codes (`RowLinear.codes`, scales,
+// minima; kind 0 bf16, 1 q4_1, 2 q8_0). The same arithmetic as `rowlinear` where it runs that path (for bf16
+// activations: `rowlinear_fp32_path`, a CPU without AVX512-BF16 or the ISA forced to avx2): the same bits.
+bool rowlinear_fp32_path();
+int64_t rowlinear_tile_count(int64_t n_out);
+void rowlinear_widen(const uint16_t* x, int64_t f0, int64_t f1, float* xf);
+void rowlinear_tiles(const torch::Tensor& codes, const torch::Tensor& d, const torch::Tensor& m, int64_t kind,
+                     int64_t n_out, int64_t K, const float* xf, int64_t M, int64_t t0, int64_t t1, float* y);
 // the lean target's attention, row-invariant (attention.cpp)
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor head, torch::Tensor tail,
                      double scale);

@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -455,6 +456,45 @@ bool bf16_dot_path() {
 
 bool amx_path() { return bf16_dot_path() && isa_cap == 0 && amx_granted(); }
 
+// Tiles [t0, t1) of TILE weight rows: their columns of y [M, N] fp32 from x [M, K] fp32. What `rowlinear`'s threads
+// and the layer stack's team (`rowlinear_tiles`) run.
+void tile_range(const Weights& W, const float* xp, int64_t M, int64_t N, int64_t t0, int64_t t1, float* yp) {
+  const int64_t K = W.K, kind = W.kind;
+  // the decoded tile (4/8-bit codes at 5+ tokens, a last tile short of TILE rows), allocated where one is needed:
+  // a zero-filled vector per call had cost a memset of up to 37 KB per linear per thread at every step
+  std::unique_ptr<float[]> buf;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t n0 = t * TILE, rows = std::min(TILE, N - n0);
+    Prefetch pf(W, n0 + TILE, std::min(n0 + 2 * TILE, N));
+    if (rows == TILE && (kind == 0 || M <= FUSED_MAX_ROWS)) {
+      if (kind == 0) tile_tokens<false, 0>(W, nullptr, n0, xp, M, N, rows, pf, yp);
+      if (kind == 1) tile_tokens<false, 1>(W, nullptr, n0, xp, M, N, rows, pf, yp);
+      if (kind == 2) tile_tokens<false, 2>(W, nullptr, n0, xp, M, N, rows, pf, yp);
+      continue;
+    }
+    if (!buf) buf.reset(new float[TILE * K]);
+    // Decode the tile once into buf (rows past the matrix as zeros) and reuse it for all tokens.
+    for (int64_t r = 0; r < TILE; ++r) {
+      float* row = buf.get() + r * K;
+      if (r >= rows) {
+        std::fill(row, row + K, 0.0f);
+        continue;
+      }
+      for (int64_t b = 0; b < K / 32; ++b) {
+        __m256 w[4];
+        if (r == 0)
+          for (int c = 0; c < 4; ++c) pf.step();
+        if (kind == 1) decode_block<1>(W, n0 + r, b, w);
+        else if (kind == 2) decode_block<2>(W, n0 + r, b, w);
+        else
+          for (int c = 0; c < 4; ++c) w[c] = load8<0>(W, n0 + r, b * 32 + c * 8);
+        for (int c = 0; c < 4; ++c) _mm256_storeu_ps(row + b * 32 + c * 8, w[c]);
+      }
+    }
+    tile_tokens<true, 0>(W, buf.get(), n0, xp, M, N, rows, pf, yp);
+  }
+}
+
 }  // namespace
 
 bool dflashkit_avx2_forced() { return avx2_only; }
@@ -473,6 +513,22 @@ std::string rowlinear_set_isa(const std::string& isa) {
   isa_cap = isa == "auto" ? 0 : isa == "avx512bf16" ? 1 : 2;
   avx2_only = isa == "avx2";
   return rowlinear_isa();
+}
+
+bool rowlinear_fp32_path() { return !bf16_dot_path(); }
+
+int64_t rowlinear_tile_count(int64_t n_out) { return (n_out + TILE - 1) / TILE; }
+
+void rowlinear_widen(const uint16_t* x, int64_t f0, int64_t f1, float* xf) {
+  for (int64_t k = 32 * f0; k < 32 * f1; k += 8) _mm256_storeu_ps(xf + k, bf16x8(x + k));  // exact
+}
+
+void rowlinear_tiles(const torch::Tensor& codes, const torch::Tensor& d, const torch::Tensor& m, int64_t kind,
+                     int64_t n_out, int64_t K, const float* xf, int64_t M, int64_t t0, int64_t t1, float* y) {
+  const int64_t row_bytes = kind == 0 ? 2 * K : (kind == 1 ? K / 2 : K);
+  const Weights W{static_cast<int>(kind), static_cast<const uint8_t*>(codes.data_ptr()),
+                  kind != 0 ? d.data_ptr<float>() : nullptr, kind == 1 ? m.data_ptr<float>() : nullptr, K, row_bytes};
+  tile_range(W, xf, M, n_out, t0, t1, y);
 }
 
 torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
@@ -504,39 +560,7 @@ torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, t
   torch::Tensor yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   const float* xp = xf.data_ptr<float>();
   float* yp = yf.data_ptr<float>();
-  const int64_t tiles = (N + TILE - 1) / TILE;
   // Threads split the weight rows: each output element is computed whole by one thread, in the order above.
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf(TILE * K);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * TILE, rows = std::min(TILE, N - n0);
-      Prefetch pf(W, n0 + TILE, std::min(n0 + 2 * TILE, N));
-      if (rows == TILE && (kind == 0 || M <= FUSED_MAX_ROWS)) {
-        if (kind == 0) tile_tokens<false, 0>(W, nullptr, n0, xp, M, N, rows, pf, yp);
-        if (kind == 1) tile_tokens<false, 1>(W, nullptr, n0, xp, M, N, rows, pf, yp);
-        if (kind == 2) tile_tokens<false, 2>(W, nullptr, n0, xp, M, N, rows, pf, yp);
-        continue;
-      }
-      // Decode the tile once into buf (rows past the matrix as zeros) and reuse it for all tokens.
-      for (int64_t r = 0; r < TILE; ++r) {
-        float* row = buf.data() + r * K;
-        if (r >= rows) {
-          std::fill(row, row + K, 0.0f);
-          continue;
-        }
-        for (int64_t b = 0; b < K / 32; ++b) {
-          __m256 w[4];
-          if (r == 0)
-            for (int c = 0; c < 4; ++c) pf.step();
-          if (kind == 1) decode_block<1>(W, n0 + r, b, w);
-          else if (kind == 2) decode_block<2>(W, n0 + r, b, w);
-          else
-            for (int c = 0; c < 4; ++c) w[c] = load8<0>(W, n0 + r, b * 32 + c * 8);
-          for (int c = 0; c < 4; ++c) _mm256_storeu_ps(row + b * 32 + c * 8, w[c]);
-        }
-      }
-      tile_tokens<true, 0>(W, buf.data(), n0, xp, M, N, rows, pf, yp);
-    }
-  });
+  at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) { tile_range(W, xp, M, N, t0, t1, yp); });
   return out_bf16 ? round_to_bf16(yf) : yf;
 }
