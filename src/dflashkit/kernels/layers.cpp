@@ -450,11 +450,11 @@ class Stack {
   // ---- the team forward ------------------------------------------------------------------------------------
   // Where every linear reads packed codes (plinear's: the int4 target on AVX512-BF16 CPUs; qlinear's: the drafter's
   // Q8_0 copies, the int4-a8 target) or runs rowlinear's fp32 path (the bf16 target on AVX2-only CPUs; there the
-  // second thread sat idle ~21 % of a one-token step while the first ran the glue and ~120 tensor allocations),
-  // `forward` runs as ONE OpenMP team (or, where `attend` would not take its
-  // grouped short-list layout, one team per layer between the attention calls): the threads go through the steps
-  // together, a barrier between them, and share the glue too (norms, SiLU, the residual adds, the activations'
-  // layout, the heads' rotary) instead of the calling thread running it while the other waits for the next fork.
+  // second thread sat idle ~21 % of a one-token step while the first ran the glue between the forks), `forward` runs
+  // as ONE OpenMP team (or, where `attend` would not take its grouped short-list layout, one team per layer between
+  // the attention calls): the threads go through the steps together, a barrier between them, and share the glue too
+  // (norms, SiLU, the residual adds, the activations' layout, the heads' rotary) instead of the calling thread
+  // running it while the other waits for the next fork.
   // Why: at 4 tokens the second thread sat idle ~37 % of a step (the glue on the first thread, a fork/join per step).
   // Each step's work splits by rows, blocks, weight groups, heads or attention units, and every element is computed
   // whole by one thread in the per-step loop's order: the same bits (tests compare the two).
