@@ -519,13 +519,16 @@ bool rowlinear_fp32_path() { return !bf16_dot_path(); }
 
 int64_t rowlinear_tile_count(int64_t n_out) { return (n_out + TILE - 1) / TILE; }
 
+// Bytes of one weight row of K elements in `kind`'s codes (0 bf16, 1 q4_1 nibbles, 2 q8_0 bytes).
+static int64_t row_bytes_of(int64_t kind, int64_t K) { return kind == 0 ? 2 * K : (kind == 1 ? K / 2 : K); }
+
 void rowlinear_widen(const uint16_t* x, int64_t f0, int64_t f1, float* xf) {
   for (int64_t k = 32 * f0; k < 32 * f1; k += 8) _mm256_storeu_ps(xf + k, bf16x8(x + k));  // exact
 }
 
 void rowlinear_tiles(const torch::Tensor& codes, const torch::Tensor& d, const torch::Tensor& m, int64_t kind,
                      int64_t n_out, int64_t K, const float* xf, int64_t M, int64_t t0, int64_t t1, float* y) {
-  const int64_t row_bytes = kind == 0 ? 2 * K : (kind == 1 ? K / 2 : K);
+  const int64_t row_bytes = row_bytes_of(kind, K);
   const Weights W{static_cast<int>(kind), static_cast<const uint8_t*>(codes.data_ptr()),
                   kind != 0 ? d.data_ptr<float>() : nullptr, kind == 1 ? m.data_ptr<float>() : nullptr, K, row_bytes};
   tile_range(W, xf, M, n_out, t0, t1, y);
@@ -537,7 +540,7 @@ torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, t
   TORCH_CHECK(kind >= 0 && kind <= 2, "rowlinear: kind must be 0 (bf16), 1 (q4_1) or 2 (q8_0)");
   TORCH_CHECK(codes.is_contiguous() && codes.size(0) == n_out, "rowlinear: codes must be contiguous [N, ...]");
   const int64_t M = x.size(0), K = x.size(1), N = n_out;
-  const int64_t row_bytes = kind == 0 ? 2 * K : (kind == 1 ? K / 2 : K);
+  const int64_t row_bytes = row_bytes_of(kind, K);
   TORCH_CHECK(codes.numel() * codes.element_size() == N * row_bytes, "rowlinear: codes do not match [N, K]");
   if (kind != 0) TORCH_CHECK(d.scalar_type() == torch::kFloat && d.is_contiguous() && d.numel() == N * K / 32,
                              "rowlinear: scales must be fp32 [N, K / 32]");
@@ -561,6 +564,6 @@ torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, t
   const float* xp = xf.data_ptr<float>();
   float* yp = yf.data_ptr<float>();
   // Threads split the weight rows: each output element is computed whole by one thread, in the order above.
-  at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) { tile_range(W, xp, M, N, t0, t1, yp); });
+  at::parallel_for(0, rowlinear_tile_count(N), 1, [&](int64_t t0, int64_t t1) { tile_range(W, xp, M, N, t0, t1, yp); });
   return out_bf16 ? round_to_bf16(yf) : yf;
 }
