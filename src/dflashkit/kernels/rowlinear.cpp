@@ -147,12 +147,20 @@ inline void fused_tile(const Weights& W, int64_t n0, int r0, const float* x, int
       for (int r = 0; r < R; ++r) out[i][r0 + r] = hsum8(acc[i][r]);
     return;
   }
+  // bf16 weights: each row's start computed once per tile, and the loops unrolled so that acc[][] stays in
+  // registers. Why: left to the compiler, the one-token tile (1 x 6) kept its six sums on the stack, a store and a
+  // reload around every FMA (AMD EPYC, AVX2, one thread, a 384 x 576 layer in L2: 30 us a token, unrolled 20 us).
+  const uint8_t* row[R];
+  for (int r = 0; r < R; ++r) row[r] = W.codes + (n0 + r0 + r) * W.row_bytes;
   for (int64_t k = 0; k < W.K; k += 8) {
     pf.step();
     __m256 xv[MR];
+#pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + k);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      __m256 wv = load8<KIND>(W, n0 + r0 + r, k);
+      const __m256 wv = KIND == 0 ? bf16x8(row[r] + 2 * k) : load8<KIND>(W, n0 + r0 + r, k);
+#pragma GCC unroll 4
       for (int i = 0; i < MR; ++i) acc[i][r] = _mm256_fmadd_ps(wv, xv[i], acc[i][r]);
     }
   }
@@ -166,11 +174,14 @@ inline void buffered_tile(const float* buf, int64_t K, int r0, const float* x, i
   __m256 acc[MR][R];
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
+  for (int64_t k = 0; k < K; k += 8) {  // unrolled so that acc[][] stays in registers (see fused_tile)
     __m256 xv[MR];
+#pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + k);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      __m256 wv = _mm256_loadu_ps(buf + (r0 + r) * K + k);
+      const __m256 wv = _mm256_loadu_ps(buf + (r0 + r) * K + k);
+#pragma GCC unroll 4
       for (int i = 0; i < MR; ++i) acc[i][r] = _mm256_fmadd_ps(wv, xv[i], acc[i][r]);
     }
   }
