@@ -82,18 +82,23 @@ inline __m256 load8(const Weights& W, int64_t n, int64_t k) {
 // The next tile's weight bytes, pulled into L1 a few cache lines per k step while this tile computes. Why: the
 // hardware prefetcher does not keep up with TILE row streams at once; measured on an AMD EPYC (AVX2, 2 threads), a
 // one-token pass over the 49152 x 576 bf16 head streamed 16 GB/s without it and 40 GB/s with it. No effect on bits.
+// `passes`: how many times the tile runs its k loop (`tile_passes`: 4 tokens x 3 rows twice per 4 tokens). The
+// lines are spread evenly over all of them. Why: issued within the first pass, they came faster than memory delivers
+// them, and through the passes after memory had nothing to fetch (AMD EPYC, AVX2: 4 / 8-token steps 0.86-0.90 /
+// 0.77-0.92x the time once spread, `kernels-prefetch-avx2/`; finishing within half the passes was slower).
 struct Prefetch {
   const char* p;
   const char* end;
-  int64_t per_step;
-  Prefetch(const Weights& W, int64_t n_next, int64_t n_end) {
+  int64_t per_step;  // lines per k step, in 16ths of a line
+  int64_t credit = 0;
+  Prefetch(const Weights& W, int64_t n_next, int64_t n_end, int64_t passes) {
     p = reinterpret_cast<const char*>(W.codes + n_next * W.row_bytes);
     end = reinterpret_cast<const char*>(W.codes + std::max(n_next, n_end) * W.row_bytes);
-    const int64_t lines = (end - p + 63) / 64, steps = W.K / 8;
-    per_step = (lines + steps - 1) / steps;
+    const int64_t lines = (end - p + 63) / 64, steps = W.K / 8 * std::max<int64_t>(passes, 1);
+    per_step = (16 * lines + steps - 1) / steps;
   }
   inline void step() {
-    for (int64_t q = 0; q < per_step && p < end; ++q, p += 64) _mm_prefetch(p, _MM_HINT_T0);
+    for (credit += per_step; credit >= 16 && p < end; credit -= 16, p += 64) _mm_prefetch(p, _MM_HINT_T0);
   }
 };
 
@@ -170,11 +175,13 @@ inline void fused_tile(const Weights& W, int64_t n0, int r0, const float* x, int
 
 // MR tokens x R rows (r0 ..) of a decoded tile buf [TILE][K] (rows past the matrix are zeros, their sums dropped).
 template <int MR, int R>
-inline void buffered_tile(const float* buf, int64_t K, int r0, const float* x, int64_t ldx, float out[][TILE]) {
+inline void buffered_tile(const float* buf, int64_t K, int r0, const float* x, int64_t ldx, float out[][TILE],
+                          Prefetch& pf) {
   __m256 acc[MR][R];
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {  // unrolled so that acc[][] stays in registers (see fused_tile)
+    pf.step();
     __m256 xv[MR];
 #pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + k);
@@ -189,35 +196,38 @@ inline void buffered_tile(const float* buf, int64_t K, int r0, const float* x, i
     for (int r = 0; r < R; ++r) out[i][r0 + r] = hsum8(acc[i][r]);
 }
 
+// The weight rows R that 4 tokens run against at once: 3 (12 accumulators) where a row's 8 weights fit one register
+// (bf16 weights, the decoded buffer): an FMA's 4-cycle latency needs 8+ independent sums to keep both FMA units
+// busy, and 4 x 2 left them waiting (measured on an AMD EPYC, AVX2: 4 tokens x 3 rows ran 1.5 FMAs a cycle, 4 x 2
+// 1.1, on weights in L2). 2 for 4/8-bit codes decoded on the fly: a 32-block's 4 registers of weights would not fit
+// beside 12 sums.
+constexpr int group_rows(bool buffered, int kind) { return buffered || kind == 0 ? 3 : 2; }
+
 // One tile of TILE weight rows against all M tokens, 4 tokens x R rows at a time, then 2 or 1 left-over tokens x
-// the whole tile. R = 3 (12 accumulators) where a row's 8 weights fit one register (bf16 weights, the decoded
-// buffer): an FMA's 4-cycle latency needs 8+ independent sums to keep both FMA units busy, and 4 x 2 left them
-// waiting (measured on an AMD EPYC, AVX2: 4 tokens x 3 rows ran 1.5 FMAs a cycle, 4 x 2 1.1, on weights in L2).
-// R = 2 for 4/8-bit codes decoded on the fly: a 32-block's 4 registers of weights would not fit beside 12 sums.
-// `Buffered` reads a decoded tile (4/8-bit codes: their decode is dearer than the products); else weights come from
-// the codes.
+// the whole tile. `Buffered` reads a decoded tile (4/8-bit codes: their decode is dearer than the products); else
+// weights come from the codes.
 template <bool Buffered, int KIND>
 inline void tile_tokens(const Weights& W, const float* buf, int64_t n0, const float* xp, int64_t M, int64_t N,
                         int64_t rows, Prefetch& pf, float* yp) {
   const int64_t K = W.K;
-  constexpr int R = Buffered || KIND == 0 ? 3 : 2;
+  constexpr int R = group_rows(Buffered, KIND);
   static_assert(TILE % R == 0, "a tile's rows split into groups of R");
   float out[4][TILE];
   int64_t i = 0;
   for (; i + 4 <= M; i += 4) {
     for (int r0 = 0; r0 < TILE; r0 += R) {
-      if (Buffered) buffered_tile<4, R>(buf, K, r0, xp + i * K, K, out);
+      if (Buffered) buffered_tile<4, R>(buf, K, r0, xp + i * K, K, out, pf);
       else fused_tile<KIND, 4, R>(W, n0, r0, xp + i * K, K, out, pf);
     }
     store_tile<TILE>(yp, N, i, n0, rows, out, 4);
   }
   for (; i + 2 <= M; i += 2) {
-    if (Buffered) buffered_tile<2, TILE>(buf, K, 0, xp + i * K, K, out);
+    if (Buffered) buffered_tile<2, TILE>(buf, K, 0, xp + i * K, K, out, pf);
     else fused_tile<KIND, 2, TILE>(W, n0, 0, xp + i * K, K, out, pf);
     store_tile<TILE>(yp, N, i, n0, rows, out, 2);
   }
   if (i < M) {
-    if (Buffered) buffered_tile<1, TILE>(buf, K, 0, xp + i * K, K, out);
+    if (Buffered) buffered_tile<1, TILE>(buf, K, 0, xp + i * K, K, out, pf);
     else fused_tile<KIND, 1, TILE>(W, n0, 0, xp + i * K, K, out, pf);
     store_tile<TILE>(yp, N, i, n0, rows, out, 1);
   }
@@ -467,6 +477,12 @@ bool bf16_dot_path() {
 
 bool amx_path() { return bf16_dot_path() && isa_cap == 0 && amx_granted(); }
 
+// How many k loops `tile_tokens` runs over one tile of M tokens (the Prefetch's passes): TILE / R per 4 tokens,
+// then one for 2 left over and one for 1.
+int64_t tile_passes(bool buffered, int64_t kind, int64_t M) {
+  return M / 4 * (TILE / group_rows(buffered, kind)) + (M % 4 >= 2) + (M % 2);
+}
+
 // Tiles [t0, t1) of TILE weight rows: their columns of y [M, N] fp32 from x [M, K] fp32. What `rowlinear`'s threads
 // and the layer stack's team (`rowlinear_tiles`) run.
 void tile_range(const Weights& W, const float* xp, int64_t M, int64_t N, int64_t t0, int64_t t1, float* yp) {
@@ -476,8 +492,9 @@ void tile_range(const Weights& W, const float* xp, int64_t M, int64_t N, int64_t
   std::unique_ptr<float[]> buf;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n0 = t * TILE, rows = std::min(TILE, N - n0);
-    Prefetch pf(W, n0 + TILE, std::min(n0 + 2 * TILE, N));
-    if (rows == TILE && (kind == 0 || M <= FUSED_MAX_ROWS)) {
+    const bool fused = rows == TILE && (kind == 0 || M <= FUSED_MAX_ROWS);
+    Prefetch pf(W, n0 + TILE, std::min(n0 + 2 * TILE, N), tile_passes(!fused, kind, M));
+    if (fused) {
       if (kind == 0) tile_tokens<false, 0>(W, nullptr, n0, xp, M, N, rows, pf, yp);
       if (kind == 1) tile_tokens<false, 1>(W, nullptr, n0, xp, M, N, rows, pf, yp);
       if (kind == 2) tile_tokens<false, 2>(W, nullptr, n0, xp, M, N, rows, pf, yp);
@@ -493,8 +510,6 @@ void tile_range(const Weights& W, const float* xp, int64_t M, int64_t N, int64_t
       }
       for (int64_t b = 0; b < K / 32; ++b) {
         __m256 w[4];
-        if (r == 0)
-          for (int c = 0; c < 4; ++c) pf.step();
         if (kind == 1) decode_block<1>(W, n0 + r, b, w);
         else if (kind == 2) decode_block<2>(W, n0 + r, b, w);
         else
