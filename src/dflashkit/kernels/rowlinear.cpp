@@ -164,7 +164,7 @@ inline void fused_tile(const Weights& W, int64_t n0, int r0, const float* x, int
     for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + k);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256 wv = KIND == 0 ? bf16x8(row[r] + 2 * k) : load8<KIND>(W, n0 + r0 + r, k);
+      const __m256 wv = bf16x8(row[r] + 2 * k);  // load8<0>'s value (4/8-bit codes returned above)
 #pragma GCC unroll 4
       for (int i = 0; i < MR; ++i) acc[i][r] = _mm256_fmadd_ps(wv, xv[i], acc[i][r]);
     }
