@@ -78,15 +78,15 @@ def roofline(ms: float, bytes_: float, flops: float, m: dict) -> dict:
             "bound": "memory" if bytes_ / m["bandwidth_gb_s"] >= flops / m["peak_gflop_s"] else "compute"}
 
 
-def target_steps(t, ctx: int) -> dict:
+def target_steps(t, ctx: int, rows_list=ROWS, widths=WIDTHS) -> dict:
     """Each target step to time ("{rows}x{w}"): (the step, the bytes it reads, its FLOPs)."""
     s = target_shape(t)
     out = {}
-    for rows in ROWS:
-        cache = t.new_cache(rows, ctx + max(WIDTHS) + 1)
-        ids = torch.randint(4, t.vocab_size, (rows, ctx + max(WIDTHS)), generator=torch.Generator().manual_seed(0))
+    for rows in rows_list:
+        cache = t.new_cache(rows, ctx + max(widths) + 1)
+        ids = torch.randint(4, t.vocab_size, (rows, ctx + max(widths)), generator=torch.Generator().manual_seed(0))
         t.forward(ids[:, :ctx], torch.arange(ctx).expand(rows, ctx), cache, kv_len=ctx, taps=False)
-        for w in WIDTHS:
+        for w in widths:
             def step(w=w, ids=ids, cache=cache, pos=torch.arange(ctx, ctx + w).expand(rows, w)):
                 h, _ = t.forward(ids[:, ctx:ctx + w], pos, cache, kv_len=ctx + w, taps=False)
                 return t.logits(h)

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 
 def step_label(key: str) -> str:
-    """"target_w4" -> "target, 4 new tokens"; "draft_b16" -> "drafting, block 16"."""
+    """"target_w4" -> "target, 4 new tokens"; "draft_b16" -> "drafting, block 16"; "rows8x4" -> "target, 8 rows x 4
+    new tokens"."""
+    if key.startswith("rows"):
+        rows, w = key[4:].split("x")
+        return f"target, {rows} rows x {w} new tokens"
     return f"target, {key[8:]} new tokens" if key.startswith("target") else f"drafting, block {key[7:]}"
 
 

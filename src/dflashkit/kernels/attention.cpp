@@ -414,20 +414,24 @@ void run_split(const Call& shared, int64_t B, const bool* hp, int64_t S, const i
   });
 }
 
-// Short lists on AVX-512 (`grouped`): one unit per (batch row, query, kv head), its g query heads as chains that
-// share one slot list. Each key and value row is widened once for the unit's chains instead of once per chain, two
+// Short lists, `grouped`: one unit per (batch row, query, kv head), its g query heads as chains that share one slot
+// list. Each key and value row is widened once for the unit's chains instead of once per chain. On AVX-512 two
 // keys' 8-lane score chains share a 16-lane register (key a in lanes 0-7, key b in 8-15: each half is exactly the
 // 8-lane chain of `score_rows`), eight keys' horizontal sums run as one tree (each key's adds in `hsum8`'s pairs),
-// and the value sums, per element, run 16 elements a register. The same bits as `run_split` (tests/test_attention.py
-// compares the two on one CPU: `set_isa("avx2")` forces the 8-lane layout).
+// and the value sums, per element, run 16 elements a register; on AVX2 (`grouped_chains8`) 8 lanes do the same. The
+// same bits as `run_split` (tests/test_attention.py compares the three on one CPU: `set_attention_layout("split")`
+// forces the per-(query, head) layout, `set_isa("avx2")` the 8-lane grouped one).
 #define DFK_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 
 bool split_forced = false;  // attend_set_layout("split"): tests and A/B benchmarks (the same bits either way)
 
-bool grouped_path(int64_t hd) {
+bool grouped_path(int64_t hd) { return !split_forced && (hd == 64 || hd == 128); }
+
+// The grouped layout's instruction path: 16 lanes on AVX-512 CPUs, 8 elsewhere or under `set_isa("avx2")`.
+bool wide_grouped() {
   static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return cpu && !split_forced && !dflashkit_avx2_forced() && (hd == 64 || hd == 128);
+  return cpu && !dflashkit_avx2_forced();
 }
 
 // 16 bf16 in memory -> 16 fp32 (exact).
@@ -513,38 +517,156 @@ DFK_AVX512 void grouped_values(const uint16_t* vb, int64_t vd, const int64_t* sl
   }
 }
 
+// The q and o rows of a unit's NC chains (query heads kv * g + h0 .. + NC of query row r), and its keys and values.
+struct Chains {
+  const uint16_t* q[4];
+  uint16_t* o[4];
+  const uint16_t *k, *v;
+};
+
+inline Chains chains_of(const Call& x, int64_t r, int64_t kv, int64_t h0, int nc) {
+  Chains ch{};
+  for (int c = 0; c < nc; ++c) {
+    const int64_t row = r * x.nh + kv * x.g + h0 + c;
+    ch.q[c] = x.q + row * x.hd;
+    ch.o[c] = x.o + row * x.hd;
+  }
+  const int64_t b = r / x.Q;
+  ch.k = x.k + (b * x.kvh + kv) * x.T * x.hd;
+  ch.v = x.v + (b * x.kvh + kv) * x.T * x.vd;
+  return ch;
+}
+
 // One unit's NC chains (query heads h0 .. h0 + NC of kv head kv) over the query's slot list sl [n]; w: [NC, n].
 template <int HD, int NC>
 DFK_AVX512 void grouped_chains(const Call& x, int64_t r, int64_t kv, int64_t h0, const std::vector<int64_t>& sl,
                                float* w) {
-  const int64_t n = static_cast<int64_t>(sl.size()), b = r / x.Q;
-  const uint16_t* qr[NC];
-  uint16_t* out[NC];
+  const int64_t n = static_cast<int64_t>(sl.size());
+  const Chains ch = chains_of(x, r, kv, h0, NC);
   float den[NC];
-  for (int c = 0; c < NC; ++c) {
-    const int64_t h = kv * x.g + h0 + c;
-    qr[c] = x.q + (r * x.nh + h) * HD;
-    out[c] = x.o + (r * x.nh + h) * HD;
-  }
-  grouped_scores<HD, NC>(x.k + (b * x.kvh + kv) * x.T * HD, sl.data(), n, qr, x.sc, w, n);
+  grouped_scores<HD, NC>(ch.k, sl.data(), n, ch.q, x.sc, w, n);
   for (int c = 0; c < NC; ++c) den[c] = softmax_weights(w + c * n, n);
-  grouped_values<HD, NC>(x.v + (b * x.kvh + kv) * x.T * x.vd, x.vd, sl.data(), n, w, n, den, out);
+  grouped_values<HD, NC>(ch.v, x.vd, sl.data(), n, w, n, den, ch.o);
 }
 
-// Chains h0 .. h1 of one unit, at most `most` a call (value sums in registers: HD / 16 each).
-template <int HD>
-void grouped_unit(const Call& x, int64_t r, int64_t kv, int64_t h0, int64_t h1, const std::vector<int64_t>& sl,
-                  std::vector<float>& w) {
-  constexpr int most = HD == 64 ? 4 : 2;
+// The grouped unit on 8 lanes (AVX2 CPUs, or `set_isa("avx2")`): up to 3 chains, each still the header's sums in
+// their order. Each key row is widened once for the chains; four keys' score chains per chain run side by side (q
+// read from its fp32 widening in L1) and their horizontal sums as one tree (`hsum8_x4`); the value sums run 32 or
+// 64 elements at a time, each value row's elements widened once for the chains.
+
+// The scores of four keys for one chain, times sc, in key order. A[p] is key p's finished `score_rows`
+// accumulator; `hsum8` adds lane i + lane i + 4, then lanes 0 + 2 and 1 + 3, then those two: the tree below makes
+// exactly these adds for the four keys at once (key p's result lands in lane 0, 4, 2, 6 for p = 0, 1, 2, 3).
+inline __m128 hsum8_x4(const __m256* A, float sc) {
+  const __m256 t01 = _mm256_add_ps(_mm256_permute2f128_ps(A[0], A[1], 0x20),
+                                   _mm256_permute2f128_ps(A[0], A[1], 0x31));  // [key 0: lo + hi | key 1: lo + hi]
+  const __m256 t23 = _mm256_add_ps(_mm256_permute2f128_ps(A[2], A[3], 0x20),
+                                   _mm256_permute2f128_ps(A[2], A[3], 0x31));  // [key 2 | key 3]
+  const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 2, 3, 2)));  // [0+2, 1+3] of each key
+  const __m256 r = _mm256_add_ps(u, _mm256_movehdup_ps(u));
+  const __m256 keys = _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 2, 6, 0, 0, 0, 0));
+  return _mm_mul_ps(_mm256_castps256_ps128(keys), _mm_set1_ps(sc));
+}
+
+// Scores of NC chains (q rows qr[c]) over slots [0, n) of sl: KEYS keys at a time (8 for one chain, so that 8
+// independent fma chains hide the fma's latency), the rest by `score_rows`.
+template <int HD, int NC>
+void grouped_scores8(const uint16_t* kb, const int64_t* sl, int64_t n, const uint16_t* const* qr, float sc,
+                     float* score, int64_t stride) {
+  constexpr int KEYS = NC == 1 ? 8 : 4;
+  alignas(32) float qf[NC][HD];  // each chain's q widened (exact), read by the fmas from L1
+  for (int c = 0; c < NC; ++c)
+    for (int j = 0; j < HD; j += 8) _mm256_store_ps(qf[c] + j, bf16x8(qr[c] + j));
+  int64_t i = 0;
+  for (; i + KEYS <= n; i += KEYS) {
+    const uint16_t* kr[KEYS];
+    for (int p = 0; p < KEYS; ++p) kr[p] = kb + sl[i + p] * HD;
+    __m256 A[NC][KEYS];
+    for (int c = 0; c < NC; ++c)
+      for (int p = 0; p < KEYS; ++p) A[c][p] = _mm256_setzero_ps();
+    for (int j = 0; j < HD; j += 8)  // per chain and key: elements 8j.. ascending, as `score_rows`
+#pragma GCC unroll 8
+      for (int p = 0; p < KEYS; ++p) {
+        const __m256 k = bf16x8(kr[p] + j);
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; ++c) A[c][p] = _mm256_fmadd_ps(_mm256_load_ps(qf[c] + j), k, A[c][p]);
+      }
+    for (int c = 0; c < NC; ++c)
+      for (int p = 0; p < KEYS; p += 4) _mm_storeu_ps(score + c * stride + i + p, hsum8_x4(A[c] + p, sc));
+  }
+  for (int c = 0; c < NC; ++c)
+    score_rows<HD>(qr[c], HD, [&](int64_t r) { return kb + sl[r] * HD; }, i, n, sc, score + c * stride);
+}
+
+// o rows out[c] = (sum over slots ascending of w[c][i] * v row sl[i]) / den[c], rounded to bf16: per element the
+// `own_values` chain, 8 * E elements at a time (64 for one chain, 32 for more: 8+ independent fma chains to hide
+// the fma's latency, all in registers), each value row's elements widened once for the NC chains.
+template <int HD, int NC>
+void grouped_values8(const uint16_t* vb, int64_t vd, const int64_t* sl, int64_t n, const float* w, int64_t stride,
+                     const float* den, uint16_t* const* out) {
+  constexpr int E = NC == 1 ? 8 : 4;
+  for (int d = 0; d < HD; d += 8 * E) {
+    __m256 acc[NC][E];
+    for (int c = 0; c < NC; ++c)
+      for (int e = 0; e < E; ++e) acc[c][e] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t* vr = vb + sl[i] * vd + d;  // vd may be odd (hd + 1): unaligned loads
+      __m256 ev[NC];
+      for (int c = 0; c < NC; ++c) ev[c] = _mm256_set1_ps(w[c * stride + i]);
+#pragma GCC unroll 8
+      for (int e = 0; e < E; ++e) {
+        const __m256 v = bf16x8(vr + 8 * e);
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; ++c) acc[c][e] = _mm256_fmadd_ps(ev[c], v, acc[c][e]);
+      }
+    }
+    for (int c = 0; c < NC; ++c) {  // a division is exact IEEE: the same quotient as the scalar one
+      const __m256 dv = _mm256_set1_ps(den[c]);
+      for (int e = 0; e < E; ++e) store8x16(out[c] + d + 8 * e, bf16_round8(_mm256_div_ps(acc[c][e], dv)));
+    }
+  }
+}
+
+template <int HD, int NC>
+void grouped_chains8(const Call& x, int64_t r, int64_t kv, int64_t h0, const std::vector<int64_t>& sl, float* w) {
+  const int64_t n = static_cast<int64_t>(sl.size());
+  const Chains ch = chains_of(x, r, kv, h0, NC);
+  float den[NC];
+  grouped_scores8<HD, NC>(ch.k, sl.data(), n, ch.q, x.sc, w, n);
+  for (int c = 0; c < NC; ++c) den[c] = softmax_weights(w + c * n, n);
+  grouped_values8<HD, NC>(ch.v, x.vd, sl.data(), n, w, n, den, ch.o);
+}
+
+template <int HD, bool WIDE, int NC>
+void chains_on(const Call& x, int64_t r, int64_t kv, int64_t h0, const std::vector<int64_t>& sl, float* w) {
+  if constexpr (WIDE)
+    grouped_chains<HD, NC>(x, r, kv, h0, sl, w);
+  else
+    grouped_chains8<HD, NC>(x, r, kv, h0, sl, w);
+}
+
+// Chains h0 .. h1 of one unit, at most `most` a call: on 16 lanes the value sums stay in registers (HD / 16 each),
+// on 8 lanes the score chains (4 keys each).
+template <int HD, bool WIDE>
+void grouped_unit_on(const Call& x, int64_t r, int64_t kv, int64_t h0, int64_t h1, const std::vector<int64_t>& sl,
+                     std::vector<float>& w) {
+  constexpr int most = !WIDE ? 3 : HD == 64 ? 4 : 2;
   w.resize(most * std::max<size_t>(sl.size(), 1));
   for (; h0 < h1; h0 += most) {
     switch (std::min<int64_t>(most, h1 - h0)) {
-      case 1: grouped_chains<HD, 1>(x, r, kv, h0, sl, w.data()); break;
-      case 2: grouped_chains<HD, 2>(x, r, kv, h0, sl, w.data()); break;
-      case 3: if constexpr (most >= 3) grouped_chains<HD, 3>(x, r, kv, h0, sl, w.data()); break;
-      default: if constexpr (most >= 4) grouped_chains<HD, 4>(x, r, kv, h0, sl, w.data()); break;
+      case 1: chains_on<HD, WIDE, 1>(x, r, kv, h0, sl, w.data()); break;
+      case 2: chains_on<HD, WIDE, 2>(x, r, kv, h0, sl, w.data()); break;
+      case 3: if constexpr (most >= 3) chains_on<HD, WIDE, 3>(x, r, kv, h0, sl, w.data()); break;
+      default: if constexpr (most >= 4) chains_on<HD, WIDE, 4>(x, r, kv, h0, sl, w.data()); break;
     }
   }
+}
+
+template <int HD>
+void grouped_unit(const Call& x, int64_t r, int64_t kv, int64_t h0, int64_t h1, const std::vector<int64_t>& sl,
+                  std::vector<float>& w) {
+  wide_grouped() ? grouped_unit_on<HD, true>(x, r, kv, h0, h1, sl, w) : grouped_unit_on<HD, false>(x, r, kv, h0, h1, sl, w);
 }
 
 // Short lists, grouped: a work item per (batch row, query, kv head), or per part of its heads where there are
@@ -577,8 +699,8 @@ void run_grouped(const Call& x, int64_t B, const bool* hp, int64_t S, const int6
   at::parallel_for(0, units * parts, 1, [&](int64_t a, int64_t e) { grouped_share(x, parts, hp, S, tp, L, a, e); });
 }
 
-// The layouts `attend` chooses between (each gives the same bits): short lists grouped (AVX-512) or split per
-// (query, head); long lists shared by a kv head's queries, phased over the threads where there are few units (one
+// The layouts `attend` chooses between (each gives the same bits): short lists grouped (or split per (query, head)
+// where `set_attention_layout("split")` says so); long lists shared by a kv head's queries, phased over the threads where there are few units (one
 // batch row) or one unit per work item. The one place that chooses (`attend`, `attend_grouped_takes`).
 enum class Layout { grouped, split, phased, units };
 
@@ -648,7 +770,7 @@ void attend_grouped(const AttendArgs& a, int tid, int nt) {
   grouped_share(x, parts, a.head, a.S, a.tail, a.L, i0, i1);
 }
 
-// "split" keeps short lists on the per-(query, head) layout on any CPU, "auto" lets AVX-512 CPUs group them; returns
+// "split" keeps short lists on the per-(query, head) layout, "auto" groups them (head dims 64 and 128); returns
 // the layout that was set before. Process-wide; both give the same bits.
 std::string attend_set_layout(const std::string& layout) {
   TORCH_CHECK(layout == "auto" || layout == "split", "attend_set_layout: 'auto' or 'split', not '", layout, "'");
