@@ -666,7 +666,10 @@ void grouped_unit_on(const Call& x, int64_t r, int64_t kv, int64_t h0, int64_t h
 template <int HD>
 void grouped_unit(const Call& x, int64_t r, int64_t kv, int64_t h0, int64_t h1, const std::vector<int64_t>& sl,
                   std::vector<float>& w) {
-  wide_grouped() ? grouped_unit_on<HD, true>(x, r, kv, h0, h1, sl, w) : grouped_unit_on<HD, false>(x, r, kv, h0, h1, sl, w);
+  if (wide_grouped())
+    grouped_unit_on<HD, true>(x, r, kv, h0, h1, sl, w);
+  else
+    grouped_unit_on<HD, false>(x, r, kv, h0, h1, sl, w);
 }
 
 // Short lists, grouped: a work item per (batch row, query, kv head), or per part of its heads where there are
@@ -700,8 +703,9 @@ void run_grouped(const Call& x, int64_t B, const bool* hp, int64_t S, const int6
 }
 
 // The layouts `attend` chooses between (each gives the same bits): short lists grouped (or split per (query, head)
-// where `set_attention_layout("split")` says so); long lists shared by a kv head's queries, phased over the threads where there are few units (one
-// batch row) or one unit per work item. The one place that chooses (`attend`, `attend_grouped_takes`).
+// where `set_attention_layout("split")` says so); long lists shared by a kv head's queries, phased over the threads
+// where there are few units (one batch row) or one unit per work item. The one place that chooses (`attend`,
+// `attend_grouped_takes`).
 enum class Layout { grouped, split, phased, units };
 
 Layout layout_of(int64_t B, int64_t Q, int64_t kvh, int64_t hd, int64_t S, int64_t L) {

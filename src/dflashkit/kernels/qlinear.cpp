@@ -209,52 +209,77 @@ DFK_VNNI void vnni_range(const Packed& W, int64_t g0, int64_t g1, const QActs& X
 // ---- CPUs with AVX2 only: the same arithmetic, a group as two 8-lane halves ----------------------------------------
 // maddubs multiplies unsigned by signed bytes into int16 pairs: exact here (q4_1: 15 * 127 * 2; q8_0 as |w| times x
 // carrying w's sign: 128 * 127 * 2, both below 2^15), then madd sums the pairs into int32.
-inline __m256i dot4(int kind, __m256i w, __m256i x) {
-  const __m256i p16 = kind == 1 ? _mm256_maddubs_epi16(w, x)
-                                : _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+inline __m256i dot4(__m256i u, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
 }
 
-// One token x one group (both halves).
-template <int KIND>
-void avx2_tile(const Packed& W, int64_t g, const QActs& X, int64_t t, float* y, int64_t N) {
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  const int64_t bb = W.block_bytes();
-  for (int64_t b = 0; b < W.nb; ++b) {
-    const uint8_t* c = W.codes + (g * W.nb + b) * bb;
-    const int8_t* xq = X.q + t * X.K + 32 * b;
-    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int h = 0; h < 2; ++h) {
+// T tokens (t0 ..) x one group, one half (8 rows) at a time: each weight load (and q8_0's |w|, q4_1's nibbles) is
+// used for the T tokens. Per (token, row lane) the fp32 chain over the blocks runs in the order above.
+template <int KIND, int T>
+void avx2_tile(const Packed& W, int64_t g, const QActs& X, int64_t t0, float* y, int64_t N) {
+  const int64_t bb = W.block_bytes(), n0 = g * GROUP;
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < W.nb; ++b) {
+      const uint8_t* c = W.codes + (g * W.nb + b) * bb + 32 * h;
+      const int8_t* xq = X.q + t0 * X.K + 32 * b;  // token t's block: xq + t * X.K
+      __m256i s[T];
+      for (int t = 0; t < T; ++t) s[t] = _mm256_setzero_si256();
       if (KIND == 1) {
         for (int p = 0; p < 4; ++p) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p + 32 * h));
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p));
           const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
-          s[h] = _mm256_add_epi32(s[h], dot4(1, lo, _mm256_set1_epi32(four(xq + 8 * p))));
-          s[h] = _mm256_add_epi32(s[h], dot4(1, hi, _mm256_set1_epi32(four(xq + 8 * p + 4))));
+          for (int t = 0; t < T; ++t) {
+            s[t] = _mm256_add_epi32(s[t], dot4(lo, _mm256_set1_epi32(four(xq + t * X.K + 8 * p))));
+            s[t] = _mm256_add_epi32(s[t], dot4(hi, _mm256_set1_epi32(four(xq + t * X.K + 8 * p + 4))));
+          }
         }
       } else {
         for (int j = 0; j < 8; ++j) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * j + 32 * h));
-          s[h] = _mm256_add_epi32(s[h], dot4(2, w, _mm256_set1_epi32(four(xq + 4 * j))));
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * j));
+          const __m256i aw = _mm256_sign_epi8(w, w);  // |w| (-128 stays 128 as an unsigned byte)
+          for (int t = 0; t < T; ++t) {
+            const __m256i x = _mm256_set1_epi32(four(xq + t * X.K + 4 * j));
+            s[t] = _mm256_add_epi32(s[t], dot4(aw, _mm256_sign_epi8(x, w)));  // x carries w's sign
+          }
+        }
+      }
+      const int64_t o = (g * W.nb + b) * GROUP + 8 * h;
+      const __m256 dw = _mm256_loadu_ps(W.d + o);
+      for (int t = 0; t < T; ++t) {
+        const int64_t xo = (t0 + t) * X.nb + b;
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t]), _mm256_mul_ps(dw, _mm256_set1_ps(X.d[xo])), acc[t]);
+        if (KIND == 1) {
+          const __m256 mw = _mm256_loadu_ps(static_cast<const float*>(W.m) + o);
+          acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(X.s[xo]), acc[t]);
         }
       }
     }
-    const int64_t o = (g * W.nb + b) * GROUP, xo = t * X.nb + b;
-    for (int h = 0; h < 2; ++h) {
-      const __m256 dw = _mm256_loadu_ps(W.d + o + 8 * h);
-      acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[h]), _mm256_mul_ps(dw, _mm256_set1_ps(X.d[xo])), acc[h]);
-      if (KIND == 1) {
-        const __m256 mw = _mm256_loadu_ps(static_cast<const float*>(W.m) + o + 8 * h);
-        acc[h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(X.s[xo]), acc[h]);
-      }
+    const int64_t n = std::min<int64_t>(8, N - n0 - 8 * h);  // rows past N are not stored
+    if (n <= 0) break;
+    for (int t = 0; t < T; ++t) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, acc[t]);
+      std::memcpy(y + (t0 + t) * N + n0 + 8 * h, out, n * sizeof(float));
     }
   }
-  alignas(32) float out[GROUP];
-  _mm256_store_ps(out, acc[0]);
-  _mm256_store_ps(out + 8, acc[1]);
-  const int64_t n0 = g * GROUP;
-  std::memcpy(y + t * N + n0, out, std::min(GROUP, N - n0) * sizeof(float));
+}
+
+// Tokens four at a time, then the rest, against each group.
+template <int KIND>
+void avx2_groups(const Packed& W, int64_t g0, int64_t g1, const QActs& X, int64_t M, float* y, int64_t N) {
+  for (int64_t g = g0; g < g1; ++g) {
+    int64_t t = 0;
+    for (; t + 4 <= M; t += 4) avx2_tile<KIND, 4>(W, g, X, t, y, N);
+    switch (M - t) {
+      case 3: avx2_tile<KIND, 3>(W, g, X, t, y, N); break;
+      case 2: avx2_tile<KIND, 2>(W, g, X, t, y, N); break;
+      case 1: avx2_tile<KIND, 1>(W, g, X, t, y, N); break;
+      default: break;
+    }
+  }
 }
 
 bool vnni_path() {
@@ -282,11 +307,8 @@ void qlinear_groups(const PackedLinear& w, const QlinearActs& a, int64_t M, int6
     else vnni_range<2>(W, g0, g1, X, M, y, w.N);
     return;
   }
-  for (int64_t g = g0; g < g1; ++g)
-    for (int64_t t = 0; t < M; ++t) {
-      if (w.kind == 1) avx2_tile<1>(W, g, X, t, y, w.N);
-      else avx2_tile<2>(W, g, X, t, y, w.N);
-    }
+  if (w.kind == 1) avx2_groups<1>(W, g0, g1, X, M, y, w.N);
+  else avx2_groups<2>(W, g0, g1, X, M, y, w.N);
 }
 
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
