@@ -213,56 +213,66 @@ inline __m256i dot4(__m256i u, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
 }
 
-// T tokens (t0 ..) x one group, one half (8 rows) at a time: each weight load (and q8_0's |w|, q4_1's nibbles) is
-// used for the T tokens. Per (token, row lane) the fp32 chain over the blocks runs in the order above.
+// T tokens (t0 ..) x one group: each weight load (and q8_0's |w|, q4_1's nibbles) is used for the T tokens. Up to 2
+// tokens both 8-row halves run in one pass over the codes (a one-token step streams them once, as they lie); 3-4
+// tokens take one half per pass (their sums would not fit the 16 registers). Per (token, row lane) the fp32 chain
+// over the blocks runs in the order above.
 template <int KIND, int T>
 void avx2_tile(const Packed& W, int64_t g, const QActs& X, int64_t t0, float* y, int64_t N) {
+  constexpr int H = T <= 2 ? 2 : 1;  // halves per pass
   const int64_t bb = W.block_bytes(), n0 = g * GROUP;
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int h0 = 0; h0 < 2; h0 += H) {
+    __m256 acc[T][H];
+    for (int t = 0; t < T; ++t)
+      for (int e = 0; e < H; ++e) acc[t][e] = _mm256_setzero_ps();
     for (int64_t b = 0; b < W.nb; ++b) {
-      const uint8_t* c = W.codes + (g * W.nb + b) * bb + 32 * h;
       const int8_t* xq = X.q + t0 * X.K + 32 * b;  // token t's block: xq + t * X.K
-      __m256i s[T];
-      for (int t = 0; t < T; ++t) s[t] = _mm256_setzero_si256();
-      if (KIND == 1) {
-        for (int p = 0; p < 4; ++p) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p));
-          const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
-          for (int t = 0; t < T; ++t) {
-            s[t] = _mm256_add_epi32(s[t], dot4(lo, _mm256_set1_epi32(four(xq + t * X.K + 8 * p))));
-            s[t] = _mm256_add_epi32(s[t], dot4(hi, _mm256_set1_epi32(four(xq + t * X.K + 8 * p + 4))));
+      __m256i s[T][H];
+      for (int e = 0; e < H; ++e) {
+        const uint8_t* c = W.codes + (g * W.nb + b) * bb + 32 * (h0 + e);
+        for (int t = 0; t < T; ++t) s[t][e] = _mm256_setzero_si256();
+        if (KIND == 1) {
+          for (int p = 0; p < 4; ++p) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p));
+            const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f));
+            for (int t = 0; t < T; ++t) {
+              s[t][e] = _mm256_add_epi32(s[t][e], dot4(lo, _mm256_set1_epi32(four(xq + t * X.K + 8 * p))));
+              s[t][e] = _mm256_add_epi32(s[t][e], dot4(hi, _mm256_set1_epi32(four(xq + t * X.K + 8 * p + 4))));
+            }
           }
-        }
-      } else {
-        for (int j = 0; j < 8; ++j) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * j));
-          const __m256i aw = _mm256_sign_epi8(w, w);  // |w| (-128 stays 128 as an unsigned byte)
-          for (int t = 0; t < T; ++t) {
-            const __m256i x = _mm256_set1_epi32(four(xq + t * X.K + 4 * j));
-            s[t] = _mm256_add_epi32(s[t], dot4(aw, _mm256_sign_epi8(x, w)));  // x carries w's sign
+        } else {
+          for (int j = 0; j < 8; ++j) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * j));
+            const __m256i aw = _mm256_sign_epi8(w, w);  // |w| (-128 stays 128 as an unsigned byte)
+            for (int t = 0; t < T; ++t) {
+              const __m256i x = _mm256_set1_epi32(four(xq + t * X.K + 4 * j));
+              s[t][e] = _mm256_add_epi32(s[t][e], dot4(aw, _mm256_sign_epi8(x, w)));  // x carries w's sign
+            }
           }
         }
       }
-      const int64_t o = (g * W.nb + b) * GROUP + 8 * h;
-      const __m256 dw = _mm256_loadu_ps(W.d + o);
-      for (int t = 0; t < T; ++t) {
-        const int64_t xo = (t0 + t) * X.nb + b;
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t]), _mm256_mul_ps(dw, _mm256_set1_ps(X.d[xo])), acc[t]);
-        if (KIND == 1) {
-          const __m256 mw = _mm256_loadu_ps(static_cast<const float*>(W.m) + o);
-          acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(X.s[xo]), acc[t]);
+      for (int e = 0; e < H; ++e) {
+        const int64_t o = (g * W.nb + b) * GROUP + 8 * (h0 + e);
+        const __m256 dw = _mm256_loadu_ps(W.d + o);
+        for (int t = 0; t < T; ++t) {
+          const int64_t xo = (t0 + t) * X.nb + b;
+          acc[t][e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][e]), _mm256_mul_ps(dw, _mm256_set1_ps(X.d[xo])),
+                                      acc[t][e]);
+          if (KIND == 1) {
+            const __m256 mw = _mm256_loadu_ps(static_cast<const float*>(W.m) + o);
+            acc[t][e] = _mm256_fmadd_ps(mw, _mm256_set1_ps(X.s[xo]), acc[t][e]);
+          }
         }
       }
     }
-    const int64_t n = std::min<int64_t>(8, N - n0 - 8 * h);  // rows past N are not stored
-    if (n <= 0) break;
-    for (int t = 0; t < T; ++t) {
-      alignas(32) float out[8];
-      _mm256_store_ps(out, acc[t]);
-      std::memcpy(y + (t0 + t) * N + n0 + 8 * h, out, n * sizeof(float));
+    for (int e = 0; e < H; ++e) {
+      const int64_t n = std::min<int64_t>(8, N - n0 - 8 * (h0 + e));  // rows past N are not stored
+      for (int t = 0; t < T && n > 0; ++t) {
+        alignas(32) float out[8];
+        _mm256_store_ps(out, acc[t][e]);
+        std::memcpy(y + (t0 + t) * N + n0 + 8 * (h0 + e), out, n * sizeof(float));
+      }
     }
   }
 }
