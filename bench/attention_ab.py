@@ -3,8 +3,8 @@
     .venv/bin/python bench/attention_ab.py --out bench/results/attention-grouped [--aa] [--rounds 150]
 
 The default engine (the default target, the bundled drafter) is loaded once; the layout is a process-wide switch
-(`kernels.set_attention_layout`, the same bits either way), so each step runs under "split" and under "auto" (grouped
-on AVX-512 CPUs) back to back, the arms' order alternating round by round: one-row target steps of 1-16 new tokens
+(`kernels.set_attention_layout`, the same bits either way), so each step runs under "split" and under "auto" (grouped)
+back to back, the arms' order alternating round by round: one-row target steps of 1-16 new tokens
 after a 176-token prompt (forward + LM head over every new token, as a verify computes it), the drafter's
 drafting steps at blocks 2, 4 and 16, and target steps of 1 and 4 new tokens for each of --rows batch rows. Also
 each arm's 4-token verify over its one-token step (issue 34's ratio).
@@ -61,8 +61,8 @@ def report(res: dict) -> str:
     mt, v4 = res["meta"], res["verify4_over_step1"]
     arms = '"auto" in both arms (A/A control)' if mt["aa"] else "split layout vs grouped layout"
     lines = [f"# Short-list attention layouts in real steps ({mt['date']}, {mt['cpu']}, {mt['threads']} threads)", "",
-             f"`{mt['command']}`: {arms}; medians of {mt['rounds']} rounds, the arms back to back step by step, 1 row "
-             f"(and batch rows {mt.get('rows', '')} where named), "
+             f"`{mt['command']}`: {arms}; medians of {mt['rounds']} rounds, the arms back to back step by step, 1 row"
+             + (f" (and batch rows {mt['rows']} where named)" if mt.get("rows") else "") + ", "
              f"{mt['context']}-token context; target {mt['engine']}.", "",
              "| step | split, ms | grouped, ms | ratio |", "|---|---|---|---|"]
     for key, v in res["ms"].items():

@@ -418,9 +418,9 @@ void run_split(const Call& shared, int64_t B, const bool* hp, int64_t S, const i
 // list. Each key and value row is widened once for the unit's chains instead of once per chain. On AVX-512 two
 // keys' 8-lane score chains share a 16-lane register (key a in lanes 0-7, key b in 8-15: each half is exactly the
 // 8-lane chain of `score_rows`), eight keys' horizontal sums run as one tree (each key's adds in `hsum8`'s pairs),
-// and the value sums, per element, run 16 elements a register; on AVX2 (`grouped_chains8`) 8 lanes do the same. The
-// same bits as `run_split` (tests/test_attention.py compares the three on one CPU: `set_attention_layout("split")`
-// forces the per-(query, head) layout, `set_isa("avx2")` the 8-lane grouped one).
+// and the value sums, per element, run 16 elements a register; on AVX2 (`grouped_scores8`, `grouped_values8`) 8
+// lanes do the same. The same bits as `run_split` (tests/test_attention.py compares the three on one CPU:
+// `set_attention_layout("split")` forces the per-(query, head) layout, `set_isa("avx2")` the 8-lane grouped one).
 #define DFK_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 
 bool split_forced = false;  // attend_set_layout("split"): tests and A/B benchmarks (the same bits either way)
@@ -517,38 +517,6 @@ DFK_AVX512 void grouped_values(const uint16_t* vb, int64_t vd, const int64_t* sl
   }
 }
 
-// The q and o rows of a unit's NC chains (query heads kv * g + h0 .. + NC of query row r), and its keys and values.
-struct Chains {
-  const uint16_t* q[4];
-  uint16_t* o[4];
-  const uint16_t *k, *v;
-};
-
-inline Chains chains_of(const Call& x, int64_t r, int64_t kv, int64_t h0, int nc) {
-  Chains ch{};
-  for (int c = 0; c < nc; ++c) {
-    const int64_t row = r * x.nh + kv * x.g + h0 + c;
-    ch.q[c] = x.q + row * x.hd;
-    ch.o[c] = x.o + row * x.hd;
-  }
-  const int64_t b = r / x.Q;
-  ch.k = x.k + (b * x.kvh + kv) * x.T * x.hd;
-  ch.v = x.v + (b * x.kvh + kv) * x.T * x.vd;
-  return ch;
-}
-
-// One unit's NC chains (query heads h0 .. h0 + NC of kv head kv) over the query's slot list sl [n]; w: [NC, n].
-template <int HD, int NC>
-DFK_AVX512 void grouped_chains(const Call& x, int64_t r, int64_t kv, int64_t h0, const std::vector<int64_t>& sl,
-                               float* w) {
-  const int64_t n = static_cast<int64_t>(sl.size());
-  const Chains ch = chains_of(x, r, kv, h0, NC);
-  float den[NC];
-  grouped_scores<HD, NC>(ch.k, sl.data(), n, ch.q, x.sc, w, n);
-  for (int c = 0; c < NC; ++c) den[c] = softmax_weights(w + c * n, n);
-  grouped_values<HD, NC>(ch.v, x.vd, sl.data(), n, w, n, den, ch.o);
-}
-
 // The grouped unit on 8 lanes (AVX2 CPUs, or `set_isa("avx2")`): up to 3 chains, each still the header's sums in
 // their order. Each key row is widened once for the chains; four keys' score chains per chain run side by side (q
 // read from its fp32 widening in L1) and their horizontal sums as one tree (`hsum8_x4`); the value sums run 32 or
@@ -628,22 +596,30 @@ void grouped_values8(const uint16_t* vb, int64_t vd, const int64_t* sl, int64_t 
   }
 }
 
-template <int HD, int NC>
-void grouped_chains8(const Call& x, int64_t r, int64_t kv, int64_t h0, const std::vector<int64_t>& sl, float* w) {
-  const int64_t n = static_cast<int64_t>(sl.size());
-  const Chains ch = chains_of(x, r, kv, h0, NC);
-  float den[NC];
-  grouped_scores8<HD, NC>(ch.k, sl.data(), n, ch.q, x.sc, w, n);
-  for (int c = 0; c < NC; ++c) den[c] = softmax_weights(w + c * n, n);
-  grouped_values8<HD, NC>(ch.v, x.vd, sl.data(), n, w, n, den, ch.o);
-}
-
+// One unit's NC chains (query heads h0 .. h0 + NC of kv head kv) over the query's slot list sl [n], on 16 lanes
+// (WIDE: AVX-512) or 8; w: [NC, n].
 template <int HD, bool WIDE, int NC>
-void chains_on(const Call& x, int64_t r, int64_t kv, int64_t h0, const std::vector<int64_t>& sl, float* w) {
+void grouped_chains(const Call& x, int64_t r, int64_t kv, int64_t h0, const std::vector<int64_t>& sl, float* w) {
+  const int64_t n = static_cast<int64_t>(sl.size()), b = r / x.Q;
+  const uint16_t* qr[NC];
+  uint16_t* out[NC];
+  float den[NC];
+  for (int c = 0; c < NC; ++c) {
+    const int64_t h = kv * x.g + h0 + c;
+    qr[c] = x.q + (r * x.nh + h) * HD;
+    out[c] = x.o + (r * x.nh + h) * HD;
+  }
+  const uint16_t* kb = x.k + (b * x.kvh + kv) * x.T * HD;
+  const uint16_t* vb = x.v + (b * x.kvh + kv) * x.T * x.vd;
   if constexpr (WIDE)
-    grouped_chains<HD, NC>(x, r, kv, h0, sl, w);
+    grouped_scores<HD, NC>(kb, sl.data(), n, qr, x.sc, w, n);
   else
-    grouped_chains8<HD, NC>(x, r, kv, h0, sl, w);
+    grouped_scores8<HD, NC>(kb, sl.data(), n, qr, x.sc, w, n);
+  for (int c = 0; c < NC; ++c) den[c] = softmax_weights(w + c * n, n);
+  if constexpr (WIDE)
+    grouped_values<HD, NC>(vb, x.vd, sl.data(), n, w, n, den, out);
+  else
+    grouped_values8<HD, NC>(vb, x.vd, sl.data(), n, w, n, den, out);
 }
 
 // Chains h0 .. h1 of one unit, at most `most` a call: on 16 lanes the value sums stay in registers (HD / 16 each),
@@ -655,10 +631,10 @@ void grouped_unit_on(const Call& x, int64_t r, int64_t kv, int64_t h0, int64_t h
   w.resize(most * std::max<size_t>(sl.size(), 1));
   for (; h0 < h1; h0 += most) {
     switch (std::min<int64_t>(most, h1 - h0)) {
-      case 1: chains_on<HD, WIDE, 1>(x, r, kv, h0, sl, w.data()); break;
-      case 2: chains_on<HD, WIDE, 2>(x, r, kv, h0, sl, w.data()); break;
-      case 3: if constexpr (most >= 3) chains_on<HD, WIDE, 3>(x, r, kv, h0, sl, w.data()); break;
-      default: if constexpr (most >= 4) chains_on<HD, WIDE, 4>(x, r, kv, h0, sl, w.data()); break;
+      case 1: grouped_chains<HD, WIDE, 1>(x, r, kv, h0, sl, w.data()); break;
+      case 2: grouped_chains<HD, WIDE, 2>(x, r, kv, h0, sl, w.data()); break;
+      case 3: if constexpr (most >= 3) grouped_chains<HD, WIDE, 3>(x, r, kv, h0, sl, w.data()); break;
+      default: if constexpr (most >= 4) grouped_chains<HD, WIDE, 4>(x, r, kv, h0, sl, w.data()); break;
     }
   }
 }
