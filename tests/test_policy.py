@@ -159,10 +159,9 @@ def test_the_cost_of_a_wide_pass_is_learned_per_batch_size():
 
 def test_acceptance_calibrates_toward_what_verification_observed():
     acc = Acceptance()
-    p = torch.tensor([[0.92]])
-    assert acc.drafter_values(p).item() == pytest.approx(0.925, abs=0.03)  # the prior: the drafter's own claim
+    assert acc.drafter_value(0.92) == pytest.approx(0.925, abs=0.03)  # the prior: the drafter's own claim
     acc.observe_drafter([0.92] * 200, [False] * 180 + [True] * 20)  # overconfident drafter
-    assert acc.drafter_values(p).item() == pytest.approx(0.13, abs=0.03)
+    assert acc.drafter_value(0.92) == pytest.approx(0.13, abs=0.03)
     assert acc.lookup_rate(4) > acc.lookup_rate(1)  # prior: a longer match copies better
     for _ in range(50):
         acc.observe_lookup(4, [7, 8, 9], [7, 5])  # first token right, second wrong, third undecided

@@ -288,6 +288,10 @@ def layer_stack(drafter: DFlashDrafter, weights: str | None = None):
     # The final norm in the same call (rms_row: `RMSNorm`'s rounding, its own summation order): its torch ops cost
     # ~20 us each right after a target step has streamed the weights through the caches.
     stack.set_final_norm(drafter.norm.weight.detach().contiguous())
+    # The fuse too (`Stack.context_taps`): fc on its bf16 weights (the products `use_rowlinear_in` gives it), the
+    # hidden norm as the final norm's.
+    stack.set_fuse(stack_linear(RowLinear.from_bf16(drafter.fc.weight.detach().contiguous())),
+                   drafter.hidden_norm.weight.detach().contiguous())
     return stack
 
 

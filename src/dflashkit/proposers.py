@@ -219,10 +219,9 @@ class DrafterProposer:
 
     def _write(self, cache: PositionCache, feats: torch.Tensor, pos: torch.Tensor) -> None:
         dr = self.drafter
-        if self.stack is not None:  # every layer's K/V in one C++ call, at slot == position
-            x = dr.fuse(feats)
+        if self.stack is not None:  # the fuse and every layer's K/V in one C++ call, at slot == position
             cos, sin = self._rope(pos)  # [b, R, hd]
-            self.stack.context(x, cos, sin, cache.keys, cache.values, pos.contiguous())
+            self.stack.context_taps(feats, cos, sin, cache.keys, cache.values, pos.contiguous())
             return
         for layer, (k, v) in enumerate(dr.context_kv(dr.fuse(feats), pos)):
             cache.write(layer, k, v, pos)

@@ -41,9 +41,9 @@ class StepRecord:
     draft_in: tuple = (0, 0, None)  # the drafter's (context, pending features, block), for the cost model
     probe: bool = False  # the drafter runs as a probe
     kept: list = field(default_factory=list)  # per row: kept node indices (0 = the anchor), ascending
-    own: np.ndarray | None = None  # [b, W] each kept node's predicted acceptance (before prefix-closing)
-    p: np.ndarray | None = None  # [b, W] drafter path probabilities (0: not a drafter node)
-    drafter_node: np.ndarray | None = None  # [b, W] bool: proposed by the drafter
+    own: np.ndarray | list | None = None  # [b, W] each node's predicted acceptance (before prefix-closing)
+    p: list | None = None  # [b][W] drafter path probabilities (0: not a drafter node)
+    drafter_node: list | None = None  # [b][W] bool: proposed by the drafter
     width: int = 1
 
 
@@ -89,35 +89,48 @@ class AdaptivePolicy:
         return Plan(look=True, draft=False, lookup_keep=[len(k) - 1 for k in kept], record=rec)
 
     def cut(self, plan: Plan, tree: DraftTree) -> TreeCut:
-        """A drafted step: keep the nodes worth their cost (`best_cut`), counting the drafter's time as spent."""
+        """A drafted step: keep the nodes worth their cost (`best_cut`), counting the drafter's time as spent.
+        Computed on the host's floats from one read of the tree's per-node fields. Why: as ~20 small torch ops (one
+        per depth to close the values over prefixes), or as numpy's, it cost 0.6-1.2 ms a drafted step on a CPU:
+        each op ~20-50 us right after a target step has streamed its weights through the caches (AMD EPYC, AVX2);
+        on a GPU each op is a launch."""
         rec: StepRecord = plan.record
         dev, (b, W) = tree.tokens.device, tree.tokens.shape
-        drafter = tree.source == SOURCE_DRAFTER
-        p = torch.where(drafter, tree.logp.float().exp(), 0.0)
-        factor = torch.tensor(rec.factor, device=dev)[:, None]
-        vals = torch.where(drafter, (self.acc.drafter_values(p) * factor).clamp(max=1.0), -math.inf)
+        logp, source, parent, depth, alive = _on_host(tree.logp, tree.source, tree.parent, tree.depth, tree.alive)
         # Why the lookup's columns are the last ones: a drafted tree is [anchor, m drafter nodes, the whole lookup
         # branch of k = values' width - 1 tokens] (`tree.build`; nothing of the branch was cut before drafting).
-        k = rec.values.shape[1] - 1
-        if k:
-            vals[:, W - k:] = torch.as_tensor(rec.values[:, 1:], dtype=torch.float32).to(dev)
-        live_rows = torch.tensor(rec.live_rows, device=dev)
-        vals = torch.where(tree.alive & live_rows[:, None], vals, -math.inf)
-        vals[:, 0] = ANCHOR
-        own = vals
-        for _ in range(tree.max_depth):  # a node is worth at most its parent: kept sets stay prefix-closed
-            vals = torch.minimum(vals, vals.gather(1, tree.parent))
-        host = torch.stack([vals, p, tree.depth.float(), own, drafter.float()]).cpu().numpy()  # one host read
+        first = W - (rec.values.shape[1] - 1)
+        lookup = rec.values.tolist()  # [b, 1 + k]: column 0 the anchor
+        own, probs, drafter = [], [], []
+        for r in range(b):
+            vr, pr, dr = [ANCHOR], [0.0], [False]
+            for j in range(1, W):
+                d = source[r][j] == SOURCE_DRAFTER
+                pj = math.exp(logp[r][j]) if d else 0.0
+                if not (rec.live_rows[r] and alive[r][j]):
+                    v = -math.inf
+                elif j >= first:
+                    v = lookup[r][1 + j - first]
+                else:
+                    v = min(self.acc.drafter_value(pj) * rec.factor[r], 1.0) if d else -math.inf
+                vr.append(v), pr.append(pj), dr.append(d)
+            own.append(vr), probs.append(pr), drafter.append(dr)
+        vals = [list(vr) for vr in own]
+        for row, up in zip(vals, parent):
+            for j in range(1, W):  # a node is worth at most its parent (parents first): kept sets stay prefix-closed
+                if row[up[j]] < row[j]:
+                    row[j] = row[up[j]]
         sunk = self.cost.draft(b, *rec.draft_in)
-        best = best_cut(host[0], rec.live, self.cost.pass_curve(rec.rows, rec.ctx), sunk, MARGIN)
-        keep = host[0] >= best.threshold
-        keep[:, 0] = True  # the anchor: its verification is the step itself
-        drafted = host[2][keep & (host[4] > 0)]
-        self.depths.append((int(drafted.max()) if drafted.size else 0, rec.draft_in[2] or self.cost.draft_block))
+        best = best_cut(vals, rec.live, self.cost.pass_curve(rec.rows, rec.ctx), sunk, MARGIN)
+        # the anchor always: its verification is the step itself
+        keep = [[j == 0 or v >= best.threshold for j, v in enumerate(row)] for row in vals]
+        deepest = max((depth[r][j] for r in range(b) for j in range(W) if keep[r][j] and drafter[r][j]), default=0)
+        self.depths.append((deepest, rec.draft_in[2] or self.cost.draft_block))
         self.probes.learn(best.gain / max(rec.live, 1), best.width, best.rate > rec.no_draft_rate, b)
-        rec.kept, rec.own, rec.p, rec.drafter_node = [np.flatnonzero(r) for r in keep], host[3], host[1], host[4] > 0
-        rec.width = best.width
-        return TreeCut(torch.from_numpy(keep).to(dev), best.width, int(host[2][keep].max()))
+        rec.kept = [[j for j, k in enumerate(row) if k] for row in keep]
+        rec.own, rec.p, rec.drafter_node, rec.width = own, probs, drafter, best.width
+        return TreeCut(torch.tensor(keep, dtype=torch.bool, device=dev), best.width,
+                       max(depth[r][j] for r in range(b) for j in range(W) if keep[r][j]))
 
     def observe(self, plan: Plan, outcome: StepOutcome) -> None:
         """After the commit: the step's time (cost model) and which kept nodes were accepted (calibration)."""
@@ -144,11 +157,11 @@ class AdaptivePolicy:
             raw, hit = 0.0, 0
             for j, old in enumerate(rec.kept[r]):
                 if old:
-                    self.acc.observe_prediction(float(rec.own[r, old]), j in path)
-                    raw += float(rec.own[r, old]) / rec.factor[r]  # the table's own prediction
+                    self.acc.observe_prediction(float(rec.own[r][old]), j in path)
+                    raw += float(rec.own[r][old]) / rec.factor[r]  # the table's own prediction
                     hit += j in path
-                if rec.drafter_node is not None and rec.drafter_node[r, old]:
-                    ps.append(float(rec.p[r, old]))
+                if rec.drafter_node is not None and rec.drafter_node[r][old]:
+                    ps.append(float(rec.p[r][old]))
                     ok.append(j in path)
             if raw:
                 self._history(rec.keys[r]).observe(raw, hit)
@@ -213,3 +226,18 @@ class AdaptivePolicy:
         """After a look without the drafter: its value (ms its cut saves against AR) and its host cost."""
         value = max((live + cut.gain) * base / max(live, 1) - (live + cut.gain) / max(cut.rate, 1e-9), 0.0)
         self.looks.learn(value, spent)
+
+
+def _on_host(*ts: torch.Tensor) -> list[np.ndarray]:
+    """[b, W] tensors as numpy arrays: views of CPU tensors, else one stacked read from the device (one sync)."""
+    if ts[0].device.type == "cpu":
+        return [(t.float() if t.is_floating_point() and t.element_size() < 4 else t).numpy() for t in ts]
+    return list(torch.stack([t.double() for t in ts]).cpu().numpy())
+
+
+def _on_host(*ts: torch.Tensor) -> list[list]:
+    """[b, W] tensors as nested host lists: one read each on a CPU, one stacked read (one sync) from a device."""
+    if ts[0].device.type == "cpu":
+        return [t.tolist() for t in ts]
+    host = torch.stack([t.double() for t in ts]).cpu()
+    return [h.tolist() if t.is_floating_point() else h.long().tolist() for h, t in zip(host, ts)]

@@ -29,20 +29,21 @@ class CutChoice:
     judged: float  # the same with the time beyond the AR step inflated by the margin (what cuts are compared by)
 
 
-def best_cut(values: np.ndarray, live: int, cost_of: Callable[[int], float], sunk: float = 0.0,
+def best_cut(values: np.ndarray | list, live: int, cost_of: Callable[[int], float], sunk: float = 0.0,
              margin: float = 1.0) -> CutChoice:
-    """values: [b, W] each node's expected acceptance (made prefix-closed: at most its parent's), the anchor column
-    ANCHOR, -inf for nodes that cannot be verified; live: rows still decoding; cost_of(w): ms of a pass w nodes
-    wide; sunk: ms already spent (the drafter). The AR step is always a candidate; the others are judged with their
-    time beyond it multiplied by `margin`."""
+    """values: [b, W] (an array, or host lists of rows) each node's expected acceptance (made prefix-closed: at
+    most its parent's), the anchor column ANCHOR, -inf for nodes that cannot be verified; live: rows still decoding;
+    cost_of(w): ms of a pass w nodes wide; sunk: ms already spent (the drafter). The AR step is always a
+    candidate; the others are judged with their time beyond it multiplied by `margin`."""
     base = cost_of(1)
     best = CutChoice(math.inf, 1, 0.0, live / (sunk + base), live / (base + margin * sunk))
+    rows = values.tolist() if isinstance(values, np.ndarray) else values
     # Every node that can pay, best first, as (value, row). Why a loop on the host's floats, not numpy over
     # [thresholds, b, W]: at batch 1 this runs every step, right after the target's pass, where each numpy call
     # costs several microseconds (the numpy version took ~130 us a step, AMD EPYC).
-    nodes = sorted(((x, r) for r, row in enumerate(values[:, 1:].tolist()) for x in row if 0 < x < math.inf),
+    nodes = sorted(((x, r) for r, row in enumerate(rows) for x in row[1:] if 0 < x < math.inf),
                    reverse=True)
-    counts, width, gain = [0] * values.shape[0], 1, 0.0
+    counts, width, gain = [0] * len(rows), 1, 0.0
     for i, (x, r) in enumerate(nodes):  # each distinct value is a threshold: keep the nodes worth >= it
         counts[r] += 1
         width, gain = max(width, 1 + counts[r]), gain + x
