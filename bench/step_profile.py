@@ -1,8 +1,9 @@
 """Where a decoding step's time goes: target verify, LM head, the drafter, the host's drafting work (lookup, step
 policy, tree building), commit, and the rest (Python glue: sampling, stream bookkeeping).
 
-Decodes a few prompts alone with AR, the plain chain and the default system (tree + lookup) and times every call of
-the step's parts (wall clock, the process otherwise quiet). Writes profile.json, profile.md and profile.png.
+Decodes a few prompts alone with AR, the plain chain and the default system (tree + lookup), and with `--configs
+drafted` the default system running its drafter at every step (what a drafted step costs, its cut included), and
+times every call of the step's parts (wall clock, the process otherwise quiet). Writes profile.json, profile.md and profile.png.
 
     .venv/bin/python bench/step_profile.py --prompts 4 --max-new-tokens 96 --out bench/results/step-profile
 """
@@ -21,12 +22,15 @@ from dflashkit.batch import DecodeBatch
 from dflashkit.bench.datasets import load_dataset
 from dflashkit.dflash2 import CandidateSelector, DynamicConv
 from dflashkit.loader import encode_chat, load_models
+from dflashkit.policy import AdaptivePolicy
 from dflashkit.proposers import DrafterProposer
 
-# "lookup+policy+tree" = `_propose` without the drafter's forward (its own part, nested inside, counted once);
+# "lookup+policy+tree" = `_propose` without the drafter's forward and the policy's cut (their own parts, nested
+# inside, counted once);
 # "selector" and "convolutions": a DFlash2 drafter's parts (its walk over the top-k, its dynamic convolutions), each
 # counted once, outside "drafter" (in a tree, the per-slot scoring runs in the tree build: under "drafter")
-PARTS = ["target forward", "lm heads", "drafter", "selector", "convolutions", "lookup+policy+tree", "commit", "other"]
+PARTS = ["target forward", "lm heads", "drafter", "selector", "convolutions", "lookup+policy+tree", "cut", "commit",
+         "other"]
 
 
 class Clock:
@@ -57,9 +61,18 @@ class Clock:
             setattr(obj, name, fn) if fn is not None else delattr(obj, name)
 
 
-def profile(target, drafter, tok, config, prompts, n) -> dict:
+def always_draft(self, view, rec, cut, cost_of) -> bool:
+    """`AdaptivePolicy._wants_drafter` for the "drafted" row: every step drafts (its cut still prunes the tree)."""
+    rec.draft_in = (view.ctx, view.pending, self._block())
+    return True
+
+
+def profile(target, drafter, tok, config, prompts, n, force_draft: bool = False) -> dict:
     clock = Clock()
     eng = DFlashEngine(target, drafter, tokenizer=tok, config=config)
+    if force_draft:  # restored with the other wrapped methods
+        clock.saved.append((AdaptivePolicy, "_wants_drafter", AdaptivePolicy._wants_drafter))
+        AdaptivePolicy._wants_drafter = always_draft
     eng.generate([prompts[0]], max_new_tokens=8)  # warm-up
     clock.wrap(target, "forward", "target forward")
     clock.wrap(target, "logits", "lm heads")
@@ -70,6 +83,7 @@ def profile(target, drafter, tok, config, prompts, n) -> dict:
     for name in ("prepare", "finish"):
         clock.wrap(DynamicConv, name, "convolutions")
     clock.wrap(DecodeBatch, "_commit", "commit")
+    clock.wrap(AdaptivePolicy, "cut", "cut")
     steps = tokens = 0
     wall, spent = 0.0, defaultdict(float)
     try:
@@ -100,18 +114,22 @@ def main() -> int:
     ap.add_argument("--quant", default=None, help="int4: the GGUF's own Q4_1 codes (the lean backend)")
     ap.add_argument("--drafter", default=None, help="a drafter directory (default: the bundled one), e.g. DFlash2")
     ap.add_argument("--dataset", default="humaneval", help="prompts from this benchmark set (e.g. sharegpt-heldout)")
-    ap.add_argument("--configs", default="ar,chain,default", help="which of ar, chain, default to profile")
+    ap.add_argument("--configs", default="ar,chain,default",
+                    help="which of ar, chain, default, drafted to profile (drafted: the default system with the "
+                         "drafter run at every step, its cut pruning the tree as the policy prunes it)")
     ap.add_argument("--out", default="bench/results/step-profile")
     args = ap.parse_args()
-    unknown = set(args.configs.split(",")) - {"ar", "chain", "default"}
+    unknown = set(args.configs.split(",")) - {"ar", "chain", "default", "drafted"}
     if unknown:
-        ap.error(f"--configs: unknown {sorted(unknown)}; choose from ar, chain, default")
+        ap.error(f"--configs: unknown {sorted(unknown)}; choose from ar, chain, default, drafted")
     target, tok, drafter, _ = load_models(drafter=args.drafter, dtype=args.dtype, backend=args.backend,
                                           quant=args.quant)
     prompts = [encode_chat(tok, t[0]) for t in load_dataset(args.dataset, args.prompts)]
-    every = {"ar": DecodeConfig.autoregressive(), "chain": DecodeConfig(), "default": DecodeConfig.recommended()}
+    every = {"ar": DecodeConfig.autoregressive(), "chain": DecodeConfig(), "default": DecodeConfig.recommended(),
+             "drafted": DecodeConfig.recommended()}
     configs = {name: every[name] for name in args.configs.split(",")}
-    rows = {name: profile(target, drafter, tok, c, prompts, args.max_new_tokens) for name, c in configs.items()}
+    rows = {name: profile(target, drafter, tok, c, prompts, args.max_new_tokens, force_draft=name == "drafted")
+            for name, c in configs.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"backend": getattr(target, "engine_name", type(target).__name__), "dtype": args.dtype,

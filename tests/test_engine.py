@@ -388,6 +388,35 @@ def test_sequences_join_and_leave_a_running_batch(arch, backend):
     assert all(s.finish_reason in ("length", "cancelled") for s in batch.seqs) or not batch.seqs
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_cache_moves_accepted_slots_as_the_torch_definition(dtype, monkeypatch):
+    """PositionCache.move (an accepted tree branch to slot == position): the C++ copy on a CPU equals the torch
+    definition (every read before any write), for overlapping moves, ragged rows and a row with nothing to move; the
+    rows and slots not named are untouched."""
+    from dflashkit import kernels
+
+    if kernels.load() is None:
+        pytest.skip(kernels.why_unavailable())
+    torch.manual_seed(1)
+    c = PositionCache(3, 4, 2, 12, 8, dtype, torch.device("cpu"), value_dim=9)
+    for layer in c.keys + c.values:
+        layer.copy_(torch.randn(layer.shape))
+    before = [t.clone() for t in c.keys + c.values]
+    src, dst = [[5, 7, 3], [], [9, 4]], [[3, 4, 5], [], [4, 5]]  # row 0: slot 3 is read before it is written
+    want = [t.clone() for t in before]
+    for t in want:  # the definition: all of a row's reads, then its writes
+        for r, (s_, d_) in enumerate(zip(src, dst)):
+            if s_:
+                t[r, :, d_] = t[r, :, s_].clone()
+    c.move(src, dst)
+    assert all(torch.equal(a, b) for a, b in zip(c.keys + c.values, want))
+    for layer, t in zip(c.keys + c.values, before):  # the torch path (another device's) gives the same
+        layer.copy_(t)
+    monkeypatch.setattr(kernels, "on_cpu", lambda *ts: None)
+    c.move(src, dst)
+    assert all(torch.equal(a, b) for a, b in zip(c.keys + c.values, want))
+
+
 def test_a_row_ending_mid_block_does_not_push_the_batch_past_its_cache():
     """A row whose budget ends inside an accepted block: its start must stop at its budget (before the fix it
     advanced by the whole block; while finished rows rode along until a quarter of the batch was done, the next

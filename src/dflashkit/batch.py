@@ -373,11 +373,11 @@ class DecodeBatch:
         got = accepted(tree, choices, R)  # the path [b, R] on the device; tokens, depths, nodes, counts on the host
         lps = token_logprobs(logits, got.tokens, self.seqs, nodes=got.path)
         # Bring the accepted path to slot == position (a branch node's K/V sits m slots further right).
-        if any(nodes[d] != d for nodes, a in zip(got.nodes, got.depth) for d in range(a + 1)):
-            depth = torch.arange(R, device=dev)
-            keep = depth[None] <= torch.tensor(got.depth, device=dev)[:, None]
-            src = self.start[:, None] + torch.where(keep, got.path, depth[None])
-            self.tcache.move(src, self.start[:, None] + depth[None])
+        # Node d of a row's path sits at slot start + nodes[d]; the nodes off their slot move (host lists).
+        moves = [[d for d in range(a + 1) if nodes[d] != d] for nodes, a in zip(got.nodes, got.depth)]
+        if any(moves):
+            self.tcache.move([[s + nodes[d] for d in m] for s, nodes, m in zip(self.starts, got.nodes, moves)],
+                             [[s + d for d in m] for s, m in zip(self.starts, moves)])
         if self.drafter is not None:
             # The drafter's context: the accepted path's features at their positions (self.starts: `start` on the
             # host). Past a, the path repeats the end node: those entries rewrite the last accepted node's feature at

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
+
 
 class PositionCache:
     """Preallocated K/V, one [B, kvh, S, hd] pair per layer (values [B, kvh, S, value_dim] when a backend stores
@@ -114,10 +116,21 @@ class PositionCache:
         if v.shape[-1]:  # a store without values (value_dim 0, the drafter's feature store) skips an empty write
             self.values[layer_idx][rows, :, positions] = v.transpose(1, 2)
 
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """src, dst: [B, T] slots. Copies every layer's K/V from slots src to slots dst (all reads happen before
-        any write, so src and dst may overlap). Used to bring an accepted tree branch to slot == position."""
-        rows = self._rows[:, None]
+    def move(self, src: list[list[int]], dst: list[list[int]]) -> None:
+        """src, dst: per row, slots (host lists, a row's two of one length; rows past them untouched). Copies every
+        layer's K/V from slots src to slots dst (all reads happen before any write, so src and dst may overlap). Used
+        to bring an accepted tree branch to slot == position. On a CPU in one C++ call (kernels/rowcopy.cpp)."""
+        mod = kernels.on_cpu(self.keys[0])
+        if mod is not None:
+            mod.move_slots(self.keys + self.values, src, dst)
+            return
+        width = max(map(len, src), default=0)
+        if width == 0:
+            return
+        # rows padded with their last pair again (an empty row: slot 0 onto itself): copies that change nothing
+        pad = (lambda rows: torch.tensor([r + [r[-1] if r else 0] * (width - len(r)) for r in rows],
+                                         device=self._device))
+        rows, src, dst = self._rows[:len(src), None], pad(src), pad(dst)
         for cache in (self.keys, self.values):
             for layer in cache:
                 layer[rows, :, dst] = layer[rows, :, src]

@@ -24,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("tree_inputs", &tree_inputs, "each verify node's position, slot and visible slots (verifytree.cpp)");
   mod.def("tree_accept", &tree_accept, "the accepted path and the per-source counts (verifytree.cpp)");
   mod.def("copy_rows", &copy_rows, "store[r, 0, positions[r][t]] = rows[r, nodes[r][t]] (rowcopy.cpp)");
+  mod.def("move_slots", &move_slots, "layer[r, h, dst[r][t]] = layer[r, h, src[r][t]] in every layer (rowcopy.cpp)");
   mod.def("corpus_match", &corpus_match, nogil, "Corpus.match's longest suffix and its continuation (corpusmatch.cpp)");
   mod.def("rowlinear_isa", &rowlinear_isa, "which instruction set rowlinear's bf16 path runs on this CPU");
   mod.def("rowlinear_set_isa", &rowlinear_set_isa, "'avx2': rowlinear's 8-lane path; 'avx512bf16': no AMX; 'auto': the best");

@@ -101,6 +101,9 @@ AcceptedRows tree_accept(torch::Tensor tokens, torch::Tensor parent, torch::Tens
 // store[r, 0, positions[r][t]] = rows[r, nodes[r][t]]: the drafter's features of a step's accepted paths (rowcopy.cpp)
 void copy_rows(torch::Tensor dst, const std::vector<std::vector<int64_t>>& positions, torch::Tensor src,
                const std::vector<std::vector<int64_t>>& nodes);
+// layer[r, h, dst[r][t]] = layer[r, h, src[r][t]] in every cache layer: an accepted tree branch moved (rowcopy.cpp)
+void move_slots(const std::vector<torch::Tensor>& layers, const std::vector<std::vector<int64_t>>& src,
+                const std::vector<std::vector<int64_t>>& dst);
 // corpus.py `Corpus.match` in one call: (tokens, matched n, support, occurrences read) (corpusmatch.cpp)
 std::tuple<std::vector<int64_t>, int64_t, int64_t, int64_t> corpus_match(torch::Tensor padded, torch::Tensor order,
                                                                           torch::Tensor starts, torch::Tensor ids,
