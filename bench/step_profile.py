@@ -3,7 +3,8 @@ policy, tree building), commit, and the rest (Python glue: sampling, stream book
 
 Decodes a few prompts alone with AR, the plain chain and the default system (tree + lookup), and with `--configs
 drafted` the default system running its drafter at every step (what a drafted step costs, its cut included), and
-times every call of the step's parts (wall clock, the process otherwise quiet). Writes profile.json, profile.md and profile.png.
+times every call of the step's parts (wall clock, the process otherwise quiet). Writes profile.json, profile.md
+and profile.png.
 
     .venv/bin/python bench/step_profile.py --prompts 4 --max-new-tokens 96 --out bench/results/step-profile
 """
@@ -24,6 +25,7 @@ from dflashkit.dflash2 import CandidateSelector, DynamicConv
 from dflashkit.loader import encode_chat, load_models
 from dflashkit.policy import AdaptivePolicy
 from dflashkit.proposers import DrafterProposer
+from dflashkit.step_cost import CostModel
 
 # "lookup+policy+tree" = `_propose` without the drafter's forward and the policy's cut (their own parts, nested
 # inside, counted once);
@@ -67,9 +69,9 @@ def always_draft(self, view, rec, cut, cost_of) -> bool:
     return True
 
 
-def profile(target, drafter, tok, config, prompts, n, force_draft: bool = False) -> dict:
+def profile(target, drafter, tok, config, prompts, n, force_draft: bool = False, cost: dict | None = None) -> dict:
     clock = Clock()
-    eng = DFlashEngine(target, drafter, tokenizer=tok, config=config)
+    eng = DFlashEngine(target, drafter, tokenizer=tok, config=config, cost=None if cost is None else CostModel(**cost))
     if force_draft:  # restored with the other wrapped methods
         clock.saved.append((AdaptivePolicy, "_wants_drafter", AdaptivePolicy._wants_drafter))
         AdaptivePolicy._wants_drafter = always_draft
@@ -117,6 +119,10 @@ def main() -> int:
     ap.add_argument("--configs", default="ar,chain,default",
                     help="which of ar, chain, default, drafted to profile (drafted: the default system with the "
                          "drafter run at every step, its cut pruning the tree as the policy prunes it)")
+    ap.add_argument("--cost", default=None,
+                    help="a JSON file of the step policy's cost model (CostModel's fields, as ~/.cache/dflashkit/"
+                         "cost.json stores one): runs of two code versions then price steps alike (default: the "
+                         "engine's own calibration)")
     ap.add_argument("--out", default="bench/results/step-profile")
     args = ap.parse_args()
     unknown = set(args.configs.split(",")) - {"ar", "chain", "default", "drafted"}
@@ -128,14 +134,15 @@ def main() -> int:
     every = {"ar": DecodeConfig.autoregressive(), "chain": DecodeConfig(), "default": DecodeConfig.recommended(),
              "drafted": DecodeConfig.recommended()}
     configs = {name: every[name] for name in args.configs.split(",")}
-    rows = {name: profile(target, drafter, tok, c, prompts, args.max_new_tokens, force_draft=name == "drafted")
-            for name, c in configs.items()}
+    cost = json.loads(Path(args.cost).read_text()) if args.cost else None
+    rows = {name: profile(target, drafter, tok, c, prompts, args.max_new_tokens, force_draft=name == "drafted",
+                          cost=cost) for name, c in configs.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"backend": getattr(target, "engine_name", type(target).__name__), "dtype": args.dtype,
             "drafter": args.drafter or "bundled", "drafter_arch": drafter.config.arch,
             "quant": args.quant, "dataset": args.dataset, "prompts": args.prompts,
-            "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}
+            "max_new_tokens": args.max_new_tokens, "cost": cost, "command": " ".join(sys.argv)}
     (out / "profile.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"ms per step ({meta['backend']}, {args.dtype}, {args.prompts} {args.dataset} prompts decoded alone, "
              f"{args.max_new_tokens} tokens; `{meta['command']}`)", "", "| config | " + " | ".join(PARTS) + " | tokens/step | tok/s |",

@@ -113,8 +113,12 @@ class AdaptivePolicy:
                     v = lookup[r][1 + j - first]
                 else:
                     v = min(self.acc.drafter_value(pj) * rec.factor[r], 1.0) if d else -math.inf
-                vr.append(v), pr.append(pj), dr.append(d)
-            own.append(vr), probs.append(pr), drafter.append(dr)
+                vr.append(v)
+                pr.append(pj)
+                dr.append(d)
+            own.append(vr)
+            probs.append(pr)
+            drafter.append(dr)
         vals = [list(vr) for vr in own]
         for row, up in zip(vals, parent):
             for j in range(1, W):  # a node is worth at most its parent (parents first): kept sets stay prefix-closed
@@ -226,13 +230,6 @@ class AdaptivePolicy:
         """After a look without the drafter: its value (ms its cut saves against AR) and its host cost."""
         value = max((live + cut.gain) * base / max(live, 1) - (live + cut.gain) / max(cut.rate, 1e-9), 0.0)
         self.looks.learn(value, spent)
-
-
-def _on_host(*ts: torch.Tensor) -> list[np.ndarray]:
-    """[b, W] tensors as numpy arrays: views of CPU tensors, else one stacked read from the device (one sync)."""
-    if ts[0].device.type == "cpu":
-        return [(t.float() if t.is_floating_point() and t.element_size() < 4 else t).numpy() for t in ts]
-    return list(torch.stack([t.double() for t in ts]).cpu().numpy())
 
 
 def _on_host(*ts: torch.Tensor) -> list[list]:
