@@ -128,13 +128,13 @@ class AdaptivePolicy:
         best = best_cut(vals, rec.live, self.cost.pass_curve(rec.rows, rec.ctx), sunk, MARGIN)
         # the anchor always: its verification is the step itself
         keep = [[j == 0 or v >= best.threshold for j, v in enumerate(row)] for row in vals]
-        deepest = max((depth[r][j] for r in range(b) for j in range(W) if keep[r][j] and drafter[r][j]), default=0)
+        rec.kept = [[j for j, k in enumerate(row) if k] for row in keep]
+        deepest = max((depth[r][j] for r, ks in enumerate(rec.kept) for j in ks if drafter[r][j]), default=0)
         self.depths.append((deepest, rec.draft_in[2] or self.cost.draft_block))
         self.probes.learn(best.gain / max(rec.live, 1), best.width, best.rate > rec.no_draft_rate, b)
-        rec.kept = [[j for j, k in enumerate(row) if k] for row in keep]
         rec.own, rec.p, rec.drafter_node, rec.width = own, probs, drafter, best.width
         return TreeCut(torch.tensor(keep, dtype=torch.bool, device=dev), best.width,
-                       max(depth[r][j] for r in range(b) for j in range(W) if keep[r][j]))
+                       max(depth[r][j] for r, ks in enumerate(rec.kept) for j in ks))
 
     def observe(self, plan: Plan, outcome: StepOutcome) -> None:
         """After the commit: the step's time (cost model) and which kept nodes were accepted (calibration)."""
