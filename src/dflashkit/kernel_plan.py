@@ -108,6 +108,10 @@ def choose(target, gguf: Path | None, kernel: str = "auto", quant: str | None = 
     auto = quant == "auto"
     if auto:
         quant = "int4" if kernel == "auto" and ours() and dot_codes() else "none"
+        if quant == "none" and kernel == "auto" and gguf is not None and ours() and isa() == "avx2":
+            log.info("--quant auto: the bf16 weights run (this CPU has no AVX512-BF16). --quant int4-a8 runs the "
+                     "GGUF's codes on 8-bit activations as llama.cpp does: ~2x faster plain decoding on AVX2, "
+                     "a coarser arithmetic (bench/results/peers-avx2, target-fidelity)")
     if kernel == "auto" and quant == "none":
         kernel = "rowlinear" if ours() else "torch"
     if kernel == "torch" and quant == "none":
