@@ -126,6 +126,37 @@ def test_the_kl_objective_trains_and_an_unknown_loss_names_the_choices(tmp_path)
         train(TrainConfig.from_file(recipe(tmp_path, target, data, "bad", loss="kl_div")))
 
 
+def test_muons_float32_iteration_is_torchs_iteration(monkeypatch):
+    """On a CPU without bf16 units Muon orthogonalises in float32 (torch's bf16 matmul there is ~40x slower): the same
+    iteration as torch's bf16 one up to bf16's rounding, for wide and tall updates; the optimizer steps with it only
+    where asked, and torch's own iteration is back in place after each step."""
+    from torch.optim import _muon
+
+    from dflashkit.optimizer import DrafterOptimizer, float32_newton_schulz, newton_schulz_fp32
+
+    torch.manual_seed(0)
+    coef = (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C)
+    for shape in ((48, 160), (160, 48)):
+        g = torch.randn(shape)
+        ours = newton_schulz_fp32(g, coef, 5, 1e-7)
+        theirs = _muon._zeropower_via_newtonschulz(g, coef, 5, 1e-7).float()
+        assert ours.dtype == torch.float32 and ours.shape == g.shape
+        assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()  # bf16's rounding through 5 iterations
+        assert not torch.equal(ours, theirs)
+    torch_ns = _muon._zeropower_via_newtonschulz
+    calls = []
+    monkeypatch.setattr("dflashkit.optimizer.newton_schulz_fp32", lambda *a: calls.append(1) or newton_schulz_fp32(*a))
+    for fp32 in (False, True):
+        w = torch.nn.Parameter(torch.randn(48, 160))
+        opt = DrafterOptimizer("muon", [torch.optim.Muon([w], lr=0.01)], muon_fp32=fp32)
+        w.grad = torch.randn_like(w)
+        opt.step()
+        assert len(calls) == int(fp32) and _muon._zeropower_via_newtonschulz is torch_ns
+    with float32_newton_schulz():
+        assert _muon._zeropower_via_newtonschulz is not torch_ns
+    assert _muon._zeropower_via_newtonschulz is torch_ns
+
+
 def test_muon_and_dpace_train_and_resume_exactly(tmp_path):
     """speculators' recipe as options: Muon on the weight matrices (AdamW on the rest) with D-PACE slot weights lowers
     its loss; a run stopped after one step and resumed replays the uninterrupted one (both optimizers' states come
