@@ -36,16 +36,24 @@ def machine_key(*parts) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them ("avx2", "avx512_bf16", ...); [] where it cannot be read."""
+    return next((ln.split(":", 1)[1].split() for ln in _cpuinfo().splitlines() if ln.startswith("flags")), [])
+
+
 def cpu_name() -> str:
     """The CPU's model name and the units our kernels' speed depends on, for benchmark reports:
     "Intel(R) Xeon(R) Processor (avx2, avx512f, avx512_bf16, amx_bf16)"."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        info = ""
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")),
+    model = next((ln.split(":", 1)[1].strip() for ln in _cpuinfo().splitlines() if ln.startswith("model name")),
                  platform.processor() or platform.machine())
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    flags = cpu_flags()
     units = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
     return f"{model} ({', '.join(units)})"
 

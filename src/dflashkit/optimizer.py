@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from .errors import DFlashError
+from .measurements import cpu_flags
 
 OPTIMIZERS = ("adamw", "muon")
 
@@ -40,11 +40,8 @@ def muon_eligible(name: str, p: torch.Tensor) -> bool:
 
 
 def cpu_has_bf16_units() -> bool:
-    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo (False where it cannot be read)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+    """AVX512-BF16 or AMX-BF16 in the CPU's flags (False where they cannot be read)."""
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
