@@ -229,6 +229,17 @@ def test_exact_codes_compute_their_definition(kind, k):
         RowLinear.from_bf16(torch.zeros(4, 32, dtype=torch.bfloat16)).with_exact_codes()
 
 
+def test_exact_codes_refuse_scales_that_are_not_fp16():
+    """plinear's records hold the scales in fp16, the GGUF's own; a layer whose scales fp16 cannot hold (a Q8_0 copy
+    quantised here, d = max|w| / 127 in fp32) is refused with the remedy, never rounded into other bits."""
+    lin = RowLinear.q8_from_bf16(torch.randn(40, 64).bfloat16())
+    exact = RowLinear("q8_0", lin.codes, 40, 64, lin.scale, exact_codes=True)
+    if exact.path != "plinear":
+        pytest.skip("no AVX512-BF16 here: exact codes run rowlinear's fp32 products, which read fp32 scales")
+    with pytest.raises(ValueError, match="fp16 values.*with_int8_acts"):
+        exact(torch.randn(2, 64).bfloat16())
+
+
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("k", [32, 160, 608])  # one block, and even / odd block counts
 def test_int8_activation_paths_give_the_same_bits(kind, k):

@@ -80,7 +80,7 @@ struct Linear {
   // as it reads them, `silu_mul`, `add_rows`)
   torch::Tensor operator()(const torch::Tensor& x, bool bf16 = true) const {
     if (path == 1) return qlinear(x, codes, d, m, kind, n_out, bf16);
-    if (path == 2) return plinear(x, codes, d, m, kind, n_out, bf16);
+    if (path == 2) return plinear(x, codes, kind, n_out, bf16);
     return rowlinear(x, codes, d, m, kind, n_out, bf16);
   }
   // K: the packed codes' (pw), or from rowlinear's own codes [N, K * bytes per weight]
@@ -97,12 +97,15 @@ struct Linear {
 
 Linear make_linear(torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind, int64_t n_out, int64_t path) {
   Linear l{codes, d, m, kind, n_out, path};
-  if ((path == 1 || path == 2) && (kind == 1 || kind == 2)) {  // K from the packed size: groups x blocks x bytes
-    const int64_t bytes = codes.numel() * codes.element_size();
+  const int64_t bytes = codes.numel() * codes.element_size();
+  if (path == 1 && (kind == 1 || kind == 2)) {  // K from the packed size: groups x blocks x bytes
     const int64_t per = packed_group_count(n_out) * (kind == 1 ? 256 : 512);
-    const bool mins = kind == 1 || path == 1;  // plinear's Q8_0 reads no m; qlinear's holds its corrections
-    l.pw = {static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(), mins ? m.data_ptr() : nullptr, kind,
-            bytes / per * 32, n_out};
+    l.pw = {static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(), m.data_ptr(), kind, bytes / per * 32,
+            n_out};
+  }
+  if (path == 2 && (kind == 1 || kind == 2)) {  // bands x blocks x records; scales inside the records
+    const int64_t per = plinear_band_count(n_out) * plinear_record_bytes(kind);
+    l.pw = {static_cast<const uint8_t*>(codes.data_ptr()), nullptr, nullptr, kind, bytes / per * 32, n_out};
   }
   return l;
 }
@@ -521,9 +524,13 @@ class Stack {
       rowlinear_tiles(L.codes, L.d, L.m, L.kind, L.n_out, L.in_features(), b.xf, b.M, t0, t1, b.y);
       return;
     }
+    if (L.path == 2) {
+      const auto [j0, j1] = thread_share(plinear_band_count(L.n_out), tid, nt);
+      plinear_bands(L.pw, x, b.pairs, b.sums, b.M, j0, j1, b.y);
+      return;
+    }
     const auto [g0, g1] = thread_share(packed_group_count(L.n_out), tid, nt);
-    if (L.path == 2) plinear_groups(L.pw, x, b.pairs, b.sums, b.M, g0, g1, b.y);
-    else qlinear_groups(L.pw, b.qa, b.M, g0, g1, b.y);
+    qlinear_groups(L.pw, b.qa, b.M, g0, g1, b.y);
   }
 
   // Blocks [f0, f1) of x's 32-element blocks made ready for L: laid out (plinear's Q4_1), quantized (qlinear) or

@@ -15,30 +15,33 @@ torch::Tensor rowlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, t
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
                       int64_t n_out, bool out_bf16);
 // y = x . W^T for packed Q4_1 / Q8_0 codes (their exact values) and bf16 activations, row-invariant (plinear.cpp)
-torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
-                      int64_t n_out, bool out_bf16);
+torch::Tensor plinear(torch::Tensor x, torch::Tensor records, int64_t kind, int64_t n_out, bool out_bf16);
 // This thread's share [a, z) of n work items among nt threads: contiguous chunks, as at::parallel_for splits at grain
 // 1 (the team forward's steps, layers.cpp, and the attention's units there).
 inline std::pair<int64_t, int64_t> thread_share(int64_t n, int tid, int nt) {
   const int64_t c = (n + nt - 1) / nt;
   return {std::min(n, tid * c), std::min(n, (tid + 1) * c)};
 }
-// A packed linear's codes as plinear and qlinear read them (`RowLinear.packed`): groups of 16 rows.
+// A packed linear's codes as plinear and qlinear read them (`RowLinear.packed`). qlinear: groups of 16 rows, codes,
+// scales and corrections in three arrays; plinear: bands of 32 rows, one record per band and block holding the
+// codes and their fp16 scales (plinear.cpp), d and m unused.
 struct PackedLinear {
-  const uint8_t* codes;  // [groups, blocks, 256 / 512 bytes]
-  const float* d;        // [groups, blocks, 16]
-  const void* m;         // [groups, blocks, 16]: Q4_1 fp32 mins; qlinear's Q8_0 int32 corrections; else unused
+  const uint8_t* codes;  // qlinear [groups, blocks, 256 / 512 bytes]; plinear [bands, blocks, record]
+  const float* d;        // qlinear [groups, blocks, 16]
+  const void* m;         // qlinear [groups, blocks, 16]: Q4_1 fp32 mins; Q8_0 int32 corrections
   int64_t kind, K, N;    // kind 1 q4_1, 2 q8_0
 };
-int64_t packed_group_count(int64_t n_out);  // groups of 16 weight rows (plinear.cpp)
+int64_t packed_group_count(int64_t n_out);  // groups of 16 weight rows (qlinear)
+int64_t plinear_band_count(int64_t n_out);  // bands of 32 weight rows (plinear)
+int64_t plinear_record_bytes(int64_t kind);  // one (band, block) record's bytes
 // plinear's and qlinear's two phases for a caller's own parallel region (layers.cpp's team forward), a barrier
 // between them: the activations prepared for blocks [f0, f1) of x's bf16 32-element blocks (`plinear_lay_out`:
 // Q4_1 only, pairs [blocks, 16] and sums [blocks]; `qlinear_quantize`: int8 per block), then the tiles of weight
-// groups [g0, g1) into y [M, N] fp32. The same arithmetic as `plinear` / `qlinear` (each output element whole in one
-// thread, in one order): the same bits.
+// groups [g0, g1) (plinear: bands [j0, j1)) into y [M, N] fp32. The same arithmetic as `plinear` / `qlinear`
+// (each output element whole in one thread, in one order): the same bits.
 void plinear_lay_out(const uint16_t* x, int64_t f0, int64_t f1, uint32_t* pairs, float* sums);
-void plinear_groups(const PackedLinear& w, const uint16_t* x, const uint32_t* pairs, const float* sums, int64_t M,
-                    int64_t g0, int64_t g1, float* y);
+void plinear_bands(const PackedLinear& w, const uint16_t* x, const uint32_t* pairs, const float* sums, int64_t M,
+                   int64_t j0, int64_t j1, float* y);
 struct QlinearActs {
   int8_t* q;   // [M K]: each block's int8 values
   uint8_t* u;  // [M K]: q + 128

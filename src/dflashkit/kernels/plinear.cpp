@@ -4,7 +4,7 @@
 //
 // Why: rowlinear's dot-product path decodes each weight to bf16 (fma(d, q, m) rounded), sums 16 partial lanes per
 // output and adds them up at the end; decoding costs ~9 instructions per 32 weights and the horizontal sums ~40 % of
-// a 4-token tile's work. Here a lane is a weight ROW (16 rows per vector, packed in groups of 16 rows as qlinear's)
+// a 4-token tile's work. Here a lane is a weight ROW (16 rows per vector; packed below)
 // and the codes enter the products as they are: the bf16 value 128 + q has the bits 0x4300 | q, so a 4-bit code
 // becomes a bf16 operand with one mask-and-or (q < 16 needs 4 of bf16's 7 fraction bits; 128 + q is exact); an 8-bit
 // code is itself a bf16 value (|q| <= 128: 8 significant bits), widened and narrowed (`q8_pair`). One `dpbf16ps`
@@ -24,13 +24,23 @@
 // the 2^-9 per weight that rounding a weight to bf16 costs). S is a float sum, so its order is fixed (below); every
 // width runs that one chain per lane.
 //
-// Packed q4_1 (kernels/__init__.py `_pack`, stated in qlinear.cpp): per (group of 16 rows, block) 4 chunks of 64
-// bytes; chunk p, byte 4 r + e: low nibble q[r][8 p + e], high nibble q[r][8 p + 4 + e]. Read as 16-bit words, row r
-// owns words 2 r, 2 r + 1 (bytes 4 r .. 4 r + 3); nibble position s (bits 4 s .. 4 s + 3 of each word) holds the pair
+// The packed layout (kernels/__init__.py `_pack` with exact codes): the rows in BANDS of 32 (two groups of 16 rows;
+// rows past N zeros), and per (band, block) one record, the records of a band's blocks one after another, the bands
+// one after another: the codes of the band's first group, of its second, then the scales d of the first and the
+// second group (16 fp16 each, row order), then (Q4_1) the mins m likewise. Q4_1: 2 x 256 + 2 x 32 + 2 x 32 = 640
+// bytes; Q8_0: 2 x 512 + 2 x 32 = 1088. Why one record: a tile (one band) then reads a single forward stream, which
+// the hardware prefetcher follows at the machine's streaming rate; codes, scales and mins in separate arrays per
+// group were 6 streams per band, each a few KB long, and at one token that streamed at ~half the rate (a throwaway
+// GEMV on an AMD EPYC, 60 MB of Q4_1 codes at K = 576, 2 threads: 13-16 GB/s vs 28-32 in records, a 512 MB sum 31).
+// Why fp16 scales: they are the GGUF's own values (fp16 in every Q4_1 / Q8_0 block), widened exactly to fp32 here;
+// fp32 copies cost a sixth of a Q4_1 record's bytes.
+// A group's codes within its record (`_pack`), Q4_1: 4 chunks of 64 bytes; chunk p, byte 4 r + e: low nibble
+// q[r][8 p + e], high nibble q[r][8 p + 4 + e]. Read as 16-bit words, row r owns words 2 r, 2 r + 1 (bytes
+// 4 r .. 4 r + 3); nibble position s (bits 4 s .. 4 s + 3 of each word) holds the pair
 //   s = 0: (8 p, 8 p + 2)   s = 1: (8 p + 4, 8 p + 6)   s = 2: (8 p + 1, 8 p + 3)   s = 3: (8 p + 5, 8 p + 7)
 // and the chain takes chunks p = 0..3, within each the positions s = 0..3.
-// Packed q8_0 for this kernel (`_pack` with exact codes; qlinear's own layout differs): per (group, block) 16 pairs
-// of 32 bytes, pair i = elements (2 i, 2 i + 1), byte 2 r + h = q[r][2 i + h] (int8); the chain takes i = 0..15.
+// Q8_0: 16 pairs of 32 bytes, pair i = elements (2 i, 2 i + 1), byte 2 r + h = q[r][2 i + h] (int8); the chain
+// takes i = 0..15.
 // The activations are laid out once per call in their pair order (`pairs`), so each pair is one 32-bit broadcast.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -50,16 +60,18 @@ using dflashkit::round_to_bf16;
 using dflashkit::widen;
 
 constexpr int64_t GROUP = 16;  // weight rows per packed group
+constexpr int64_t BAND = 2;    // groups per band (one record per band and block; a tile computes one band)
 // Q4_1's activation pair order (`pairs`): pair 4 p + s of a block holds elements 8 p + PAIR[s] (chunk p, nibble
 // position s). Q8_0's pairs are in element order (pair i = elements 2 i, 2 i + 1): the row as it is.
 constexpr int PAIR[4][2] = {{0, 2}, {4, 6}, {1, 3}, {5, 7}};
 
 #define DFK_PBF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
+// One record's bytes: two groups' codes, their fp16 scales and (Q4_1) mins.
+constexpr int64_t record_bytes(int kind) { return kind == 1 ? 640 : 1088; }
+
 struct Codes {
-  const uint8_t* codes;  // [groups, blocks, 256 (Q4_1) / 512 (Q8_0) bytes]
-  const float* d;        // [groups, blocks, 16]
-  const float* m;        // [groups, blocks, 16] (Q4_1)
+  const uint8_t* records;  // [bands, blocks, record_bytes]
   int64_t nb;
 };
 
@@ -78,6 +90,11 @@ DFK_PBF16 inline __m512bh nibbles(__m512i v, int s) {
   return (__m512bh)_mm512_ternarylogic_epi32(s ? _mm512_srli_epi16(v, 4 * s) : v, low4, c, 0x6A);
 }
 
+// 16 fp16 values in memory widened to fp32 (exact).
+DFK_PBF16 inline __m512 fp16x16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // One packed Q8_0 pair (32 bytes: row r's two codes at bytes 2 r, 2 r + 1) as bf16 operands, lane r = row r: the
 // codes sign-extended to int32 and converted to fp32 (exact), rows 0-7 and 8-15 narrowed to bf16 in one
 // `cvtne2ps2bf16` (exact: integers within 2^8). That instruction puts its second operand's 16 values in words
@@ -88,16 +105,15 @@ DFK_PBF16 inline __m512bh q8_pair(const uint8_t* p) {
   return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-// Why codes are prefetched AHEAD blocks on: from memory (a step streams ~100 MB of codes), R group streams at once
-// are more than the hardware prefetcher keeps ahead of while the products run; past a group's last block the lines
-// come from the group R on (the next tile's). Hints only: no effect on bits. Measured on an AMD EPYC (2 threads, the
-// int4 target's step after 176 tokens, A/B in one process): 4 tokens 11.3-11.5 -> 10.3-10.4 ms at 8-24 Q4_1 blocks
-// ahead, 8 tokens 18.5-18.8 -> 17.2-17.3; at one token (MR = 1 tiles) the prefetch cost ~5 %, so those tiles leave
-// it to the hardware (they stream at ~27 GB/s of the ~31 measured).
+// Why records are prefetched AHEAD on at 2+ tokens: there the products bound the tile (~17 GB/s of codes at 4
+// tokens when they are in the caches), and a hint ~4 KB ahead keeps the stream's lines arriving while they run (a
+// throwaway GEMV on an AMD EPYC, 4 tokens, K = 1536, 2 threads: 3.7 vs 5.3 ms without). At one token the hardware
+// prefetcher alone follows the single stream faster than with the hints (2.1 vs 2.3-2.8 ms there). Past a band's
+// last block the next records are the next band's: the layout is one stream. Hints only: no effect on bits.
 template <int KIND>
-constexpr int64_t AHEAD = KIND == 1 ? 16 : 8;  // blocks: 4 KB of each stream
+constexpr int64_t AHEAD = KIND == 1 ? 6 : 4;  // records
 
-// MR tokens (t0 ..) x R groups (g0 ..): out lanes = rows. KIND 1 (Q4_1): one chain S per block over its 16 pairs.
+// MR tokens (t0 ..) x one band (j): out lanes = rows. KIND 1 (Q4_1): one chain S per block over its 16 pairs.
 // KIND 2 (Q8_0, codes q in -128..127): one chain S = sum q x per block over its 16 pairs, then acc = fma(S, d, acc).
 // A code enters as the bf16 value q itself (at most 8 significant bits: exact), made by sign-extending the byte,
 // converting to fp32 and narrowing two vectors to bf16 (`q8_pair`): ~10 instructions per 64 codes, one `dpbf16ps`
@@ -105,29 +121,29 @@ constexpr int64_t AHEAD = KIND == 1 ? 16 : 8;  // blocks: 4 KB of each stream
 // a token, which at 4+ tokens is what the head's time is (measured on an AMD EPYC: the head at 4 tokens ~1.6 ms of a
 // ~9.6 ms step, compute-bound; the narrowing costs less than the second chain's products from 2 tokens on, and at
 // one token both run under the codes' bytes / bandwidth).
-template <int KIND, int MR, int R>
-DFK_PBF16 void pbf16_tile(const Codes& W, int64_t g0, const Acts& X, int64_t t0, float* y, int64_t N) {
+template <int KIND, int MR>
+DFK_PBF16 void pbf16_tile(const Codes& W, int64_t j, const Acts& X, int64_t t0, float* y, int64_t N) {
+  constexpr int R = BAND;
+  constexpr int64_t rec = record_bytes(KIND), code_bytes = KIND == 1 ? 256 : 512, lines = rec / 64;
+  constexpr int chunks = KIND == 1 ? 4 : 8;  // 64-byte chunks of a group's codes
   __m512 acc[MR][R];
   for (int t = 0; t < MR; ++t)
     for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
-  constexpr int64_t block_bytes = KIND == 1 ? 256 : 512;
-  const int64_t stride = W.nb * block_bytes;  // the next group's same block
   for (int64_t b = 0; b < W.nb; ++b) {
     __m512 S[MR][R];
     for (int t = 0; t < MR; ++t)
       for (int r = 0; r < R; ++r) S[t][r] = _mm512_setzero_ps();
-    const uint8_t* c = W.codes + (g0 * W.nb + b) * block_bytes;
-    constexpr int64_t A = AHEAD<KIND>;
-    const int64_t ahead = b + A < W.nb ? A * block_bytes : R * stride + (A - W.nb) * block_bytes;
-    for (int p = 0; p < (KIND == 1 ? 4 : 8); ++p) {  // 64-byte chunks
+    const uint8_t* c = W.records + (j * W.nb + b) * rec;
+    for (int p = 0; p < chunks; ++p) {
+      if (MR > 1)
+        for (int64_t l = p; l < lines; l += chunks)
+          _mm_prefetch(reinterpret_cast<const char*>(c + AHEAD<KIND> * rec + 64 * l), _MM_HINT_T0);
       __m512i v[R];
-      for (int r = 0; r < R; ++r) {
-        if (MR > 1) _mm_prefetch(reinterpret_cast<const char*>(c + r * stride + 64 * p + ahead), _MM_HINT_T0);
-        if (KIND == 1) v[r] = _mm512_loadu_si512(c + r * stride + 64 * p);
-      }
+      if (KIND == 1)
+        for (int r = 0; r < R; ++r) v[r] = _mm512_loadu_si512(c + r * code_bytes + 64 * p);
       for (int s = 0; s < (KIND == 1 ? 4 : 2); ++s) {  // Q4_1: nibble positions; Q8_0: the chunk's two pairs
         __m512bh w[R];
-        for (int r = 0; r < R; ++r) w[r] = KIND == 1 ? nibbles(v[r], s) : q8_pair(c + r * stride + 64 * p + 32 * s);
+        for (int r = 0; r < R; ++r) w[r] = KIND == 1 ? nibbles(v[r], s) : q8_pair(c + r * code_bytes + 64 * p + 32 * s);
         for (int t = 0; t < MR; ++t) {
           const int64_t i = ((t0 + t) * X.nb + b) * 16 + (KIND == 1 ? 4 * p + s : 2 * p + s);  // pair i
           const __m512bh xv = (__m512bh)_mm512_set1_epi32(X.pairs[i]);
@@ -135,11 +151,11 @@ DFK_PBF16 void pbf16_tile(const Codes& W, int64_t g0, const Acts& X, int64_t t0,
         }
       }
     }
+    const uint8_t* scales = c + R * code_bytes;  // d of each group (fp16 x 16), then Q4_1's m likewise
     for (int r = 0; r < R; ++r) {
-      const int64_t o = ((g0 + r) * W.nb + b) * GROUP;
-      const __m512 d = _mm512_loadu_ps(W.d + o);
+      const __m512 d = fp16x16(scales + 32 * r);
       __m512 m = _mm512_setzero_ps();
-      if constexpr (KIND == 1) m = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, _mm512_loadu_ps(W.m + o));  // exact
+      if constexpr (KIND == 1) m = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, fp16x16(scales + 32 * (R + r)));
       for (int t = 0; t < MR; ++t) {
         acc[t][r] = _mm512_fmadd_ps(S[t][r], d, acc[t][r]);
         if constexpr (KIND == 1) acc[t][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(X.sum[(t0 + t) * X.nb + b]), acc[t][r]);
@@ -147,35 +163,24 @@ DFK_PBF16 void pbf16_tile(const Codes& W, int64_t g0, const Acts& X, int64_t t0,
     }
   }
   for (int r = 0; r < R; ++r) {
-    const int64_t n0 = (g0 + r) * GROUP;
+    const int64_t n0 = (j * R + r) * GROUP;
     if (n0 >= N) break;
     const __mmask16 keep = N - n0 >= GROUP ? 0xffff : static_cast<__mmask16>((1u << (N - n0)) - 1);
     for (int t = 0; t < MR; ++t) _mm512_mask_storeu_ps(y + (t0 + t) * N + n0, keep, acc[t][r]);
   }
 }
 
-// MR tokens against groups g0 .. g1: R groups at a time while they last (one at a time after), R chosen so that
-// the chains and accumulators fit in the 32 vector registers beside the codes.
-template <int KIND, int MR, int R>
-DFK_PBF16 void pbf16_groups(const Codes& W, int64_t g0, int64_t g1, const Acts& X, int64_t t, float* y, int64_t N) {
-  int64_t g = g0;
-  for (; g + R <= g1; g += R) pbf16_tile<KIND, MR, R>(W, g, X, t, y, N);
-  for (; g < g1; ++g) pbf16_tile<KIND, MR, 1>(W, g, X, t, y, N);
-}
-
-// All M tokens against groups g0 .. g1, four groups at a time: against each four, the tokens 4 at a time, then the
-// tokens left. Why groups outside: past 4 tokens the later token quads read the four groups' codes (9-24 KB) from the
-// caches instead of streaming every code from memory once per quad.
+// All M tokens against bands j0 .. j1: each band against the tokens 4 at a time, then the tokens left. Why the band
+// outside: past 4 tokens the later token quads read the band's record run (10-35 KB) from the caches instead of
+// streaming every code from memory once per quad.
 template <int KIND>
-DFK_PBF16 void pbf16_range(const Codes& W, int64_t g0, int64_t g1, const Acts& X, int64_t M, float* y, int64_t N) {
-  for (int64_t g = g0; g < g1; g += 4) {
-    const int64_t ge = std::min(g + 4, g1);
+DFK_PBF16 void pbf16_range(const Codes& W, int64_t j0, int64_t j1, const Acts& X, int64_t M, float* y, int64_t N) {
+  for (int64_t j = j0; j < j1; ++j) {
     int64_t t = 0;
-    for (; t + 4 <= M; t += 4) pbf16_groups<KIND, 4, 2>(W, g, ge, X, t, y, N);
-    const int64_t left = M - t;
-    if (left == 3) pbf16_groups<KIND, 3, 2>(W, g, ge, X, t, y, N);
-    if (left == 2) pbf16_groups<KIND, 2, 4>(W, g, ge, X, t, y, N);
-    if (left == 1) pbf16_groups<KIND, 1, 4>(W, g, ge, X, t, y, N);
+    for (; t + 4 <= M; t += 4) pbf16_tile<KIND, 4>(W, j, X, t, y, N);
+    if (M - t == 3) pbf16_tile<KIND, 3>(W, j, X, t, y, N);
+    if (M - t == 2) pbf16_tile<KIND, 2>(W, j, X, t, y, N);
+    if (M - t == 1) pbf16_tile<KIND, 1>(W, j, X, t, y, N);
   }
 }
 
@@ -219,30 +224,29 @@ void plinear_lay_out(const uint16_t* x, int64_t f0, int64_t f1, uint32_t* pairs,
   if (f1 > f0) lay_out(x + 32 * f0, f1 - f0, pairs + 16 * f0, sums + f0);  // each block alone: any split, same bits
 }
 
-void plinear_groups(const PackedLinear& w, const uint16_t* x, const uint32_t* pairs, const float* sums, int64_t M,
-                    int64_t g0, int64_t g1, float* y) {
-  const int64_t nb = w.K / 32;
-  const Codes W{w.codes, w.d, static_cast<const float*>(w.m), nb};
-  const Acts X{w.kind == 1 ? pairs : reinterpret_cast<const uint32_t*>(x), sums, nb};
-  if (w.kind == 1) pbf16_range<1>(W, g0, g1, X, M, y, w.N);
-  else pbf16_range<2>(W, g0, g1, X, M, y, w.N);
+void plinear_bands(const PackedLinear& w, const uint16_t* x, const uint32_t* pairs, const float* sums, int64_t M,
+                   int64_t j0, int64_t j1, float* y) {
+  const Codes W{w.codes, w.K / 32};
+  const Acts X{w.kind == 1 ? pairs : reinterpret_cast<const uint32_t*>(x), sums, w.K / 32};
+  if (w.kind == 1) pbf16_range<1>(W, j0, j1, X, M, y, w.N);
+  else pbf16_range<2>(W, j0, j1, X, M, y, w.N);
 }
 
 int64_t packed_group_count(int64_t n_out) { return (n_out + GROUP - 1) / GROUP; }
 
-torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t kind,
-                      int64_t n_out, bool out_bf16) {
+int64_t plinear_band_count(int64_t n_out) { return (n_out + BAND * GROUP - 1) / (BAND * GROUP); }
+
+int64_t plinear_record_bytes(int64_t kind) { return record_bytes(static_cast<int>(kind)); }
+
+torch::Tensor plinear(torch::Tensor x, torch::Tensor records, int64_t kind, int64_t n_out, bool out_bf16) {
   TORCH_CHECK(plinear_available(), "plinear needs a CPU with AVX512-BF16 (and the ISA not forced to avx2)");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0 && x.scalar_type() == torch::kBFloat16,
               "plinear: x must be bf16 [M, K] with K a multiple of 32");
-  const int64_t M = x.size(0), K = x.size(1), N = n_out, nb = K / 32, groups = (N + GROUP - 1) / GROUP;
+  const int64_t M = x.size(0), K = x.size(1), N = n_out, nb = K / 32, bands = plinear_band_count(N);
   TORCH_CHECK(kind == 1 || kind == 2, "plinear: kind must be 1 (q4_1) or 2 (q8_0)");
-  TORCH_CHECK(codes.is_contiguous() && codes.numel() * codes.element_size() == groups * nb * (kind == 1 ? 256 : 512),
-              "plinear: codes must be packed [groups, blocks, chunks] (RowLinear.packed)");
-  for (const torch::Tensor* t : {&d, &m})  // (Q8_0's m is not read here)
-    TORCH_CHECK(t == &m && kind == 2 ? true : t->scalar_type() == torch::kFloat && t->is_contiguous() &&
-                                                  t->numel() == groups * nb * GROUP,
-                "plinear: scales and mins must be packed fp32 [groups, blocks, 16]");
+  TORCH_CHECK(records.is_contiguous() && records.scalar_type() == torch::kUInt8 &&
+                  records.numel() == bands * nb * record_bytes(static_cast<int>(kind)),
+              "plinear: the codes must be packed records [bands, blocks, record] (RowLinear.packed)");
   torch::Tensor xb = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
   // Per token, once (Q4_1): the activations in the packed pair order, and each block's sum in element order. Q8_0's
@@ -252,11 +256,10 @@ torch::Tensor plinear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, tor
   if (kind == 1) lay_out(xp, M * nb, pairs.data(), sums.data());
   torch::Tensor yf = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   float* yp = yf.data_ptr<float>();
-  const PackedLinear w{static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<float>(),
-                       kind == 1 ? m.data_ptr<float>() : nullptr, kind, K, N};
-  // Threads split the groups of weight rows: each output element is computed whole by one thread, in the order above.
-  at::parallel_for(0, groups, 1, [&](int64_t a, int64_t z) {
-    plinear_groups(w, xp, pairs.data(), sums.data(), M, a, z, yp);
+  const PackedLinear w{records.data_ptr<uint8_t>(), nullptr, nullptr, kind, K, N};
+  // Threads split the bands of weight rows: each output element is computed whole by one thread, in the order above.
+  at::parallel_for(0, bands, 1, [&](int64_t a, int64_t z) {
+    plinear_bands(w, xp, pairs.data(), sums.data(), M, a, z, yp);
   });
   return out_bf16 ? round_to_bf16(yf) : yf;
 }
