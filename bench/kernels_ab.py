@@ -1,17 +1,21 @@
 """The kernels (every C++ source) as built now vs as built at an earlier revision, A/B in real steps in one process.
 
     .venv/bin/python bench/kernels_ab.py --before REV --out bench/results/NAME [--aa] [--rounds 150] [--quant Q]
+        [--python]
 
-For kernel changes that keep the Python side's layouts (what `_pack` and the stacks hand the kernels): the sources
-under src/dflashkit/kernels/ at REV are compiled here as a second module (its own name; the class `Stack` renamed
-so both modules' types can live in one interpreter), and the default engine (the default target, the bundled
+For kernel changes that keep the Python side's layouts (what `_pack` and the stacks hand the kernels), or with
+--python for those that change them: the sources under src/dflashkit/kernels/ at REV are compiled here as a second
+module (its own name; the class `Stack` renamed so both modules' types can live in one interpreter), and the default
+engine (the default target, the bundled
 drafter) is loaded twice: arm "before" with REV's module in place of the kernels (`kernels.load()` returns it while
 that arm is built and while it runs), arm "after" with the current one. In each round every step runs on each arm
 back to back, the order alternating round by round: one-row target steps of 1-16 new tokens after a 176-token
 prompt (forward + LM head over every new token, as a verify computes it) and drafting steps at blocks 2, 4 and 16.
 Also each arm's 4-token verify over its one-token step (issue 34's ratio) and whether the two arms' logits have the
-same bits. --aa loads the current module in both arms (the A/A control: two engines, one module). Writes
-kernels_ab.json, .md and .png into --out.
+same bits. --aa loads the current module in both arms (the A/A control: two engines, one module). --python: arm
+"before" also packs its codes with REV's `kernels._pack` and calls its layers with REV's `RowLinear.__call__` (REV's
+kernels/__init__.py loaded as a package of its own; the two swapped in while that arm is built and runs): for a change
+of the packed layout. Writes kernels_ab.json, .md and .png into --out.
 """
 
 from __future__ import annotations
@@ -52,9 +56,37 @@ def build_before(rev: str, where: Path):
                 extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", "-DStack=StackBefore", f"-I{where}"])
 
 
-def arm(mod, ctx: int, quant: str | None) -> tuple[dict, object]:
-    """One engine built while `kernels.load()` returns `mod`: its steps (each run once) and its target."""
+def python_before(rev: str, where: Path, mod) -> dict:
+    """REV's `_pack` and `RowLinear.__call__` (kernels/__init__.py and hugepages.py at REV, loaded as the package
+    "dflashkit.kernels_before", whose `load()` returns `mod`)."""
+    import importlib.util
+
+    pkg = where / "kernels_before"
+    pkg.mkdir()
+    for name in ("__init__.py", "hugepages.py"):
+        (pkg / name).write_text(subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{KERNELS}/{name}"], check=True,
+                                               capture_output=True, text=True).stdout)
+    spec = importlib.util.spec_from_file_location("dflashkit.kernels_before", pkg / "__init__.py",
+                                                  submodule_search_locations=[str(pkg)])
+    old = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = old
+    spec.loader.exec_module(old)
+    old._state["mod"] = mod
+    return {"_pack": old._pack, "__call__": old.RowLinear.__call__}
+
+
+NOW_PYTHON = {"_pack": kernels._pack, "__call__": kernels.RowLinear.__call__}
+
+
+def use(mod, python: dict) -> None:
+    """Arm switch: `kernels.load()` returns `mod`; the codes pack and the layers run with `python`'s functions."""
     kernels._state["mod"] = mod
+    kernels._pack, kernels.RowLinear.__call__ = python["_pack"], python["__call__"]
+
+
+def arm(mod, python: dict, ctx: int, quant: str | None) -> tuple[dict, object]:
+    """One engine built under `use(mod, python)`: its steps (each run once) and its target."""
+    use(mod, python)
     return engine_steps(ctx, quant)
 
 
@@ -64,35 +96,38 @@ def main() -> int:
     ap = ab_parser(__doc__, "the current module in both arms (the A/A control)")
     ap.add_argument("--before", required=True, help="the revision whose kernel sources are arm A")
     ap.add_argument("--quant", default=None, help="the target's --quant (default: the host's default)")
+    ap.add_argument("--python", action="store_true", help="arm A also packs and calls its layers as REV did")
     args = ap.parse_args()
     now = kernels.load()
     if now is None:
         raise SystemExit(f"the kernels are unavailable here: {kernels.why_unavailable()}")
     with torch.inference_mode(), tempfile.TemporaryDirectory() as tmp:
         mods = {"before": now if args.aa else build_before(args.before, Path(tmp)), "after": now}
-        built = {name: arm(mod, args.context, args.quant) for name, mod in mods.items()}
+        pys = {"before": python_before(args.before, Path(tmp), mods["before"]) if args.python and not args.aa
+               else NOW_PYTHON, "after": NOW_PYTHON}
+        built = {name: arm(mod, pys[name], args.context, args.quant) for name, mod in mods.items()}
         fns = {name: b[0] for name, b in built.items()}
         same = {}
         for w in (1, 4):  # a fresh w-token step per arm on the same ids: the logits' bits
             out = {}
             for name, (_, target) in built.items():
-                kernels._state["mod"] = mods[name]
+                use(mods[name], pys[name])
                 out[name] = target_step(target, args.context, w)()
             same[f"w{w}"] = bool(torch.equal(out["before"], out["after"]))
 
         def prepare(name: str, key: str):
-            kernels._state["mod"] = mods[name]
+            use(mods[name], pys[name])
             return fns[name][key]
 
         try:
             ms = ab_medians(list(fns["after"]), args.rounds, prepare)
         finally:
-            kernels._state["mod"] = now
+            use(now, NOW_PYTHON)
     res = {"ms": ms, "same_logit_bits": same,
            "verify4_over_step1": {name: round(ms["target_w4"][name] / ms["target_w1"][name], 3) for name in mods},
            "meta": {"command": "bench/kernels_ab.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
                     "cpu": cpu_name(), "threads": torch.get_num_threads(), "rounds": args.rounds, "aa": args.aa,
-                    "before": args.before, "quant": args.quant, "context": args.context,
+                    "before": args.before, "python": args.python, "quant": args.quant, "context": args.context,
                     "engine": built["after"][1].engine_name}}
     write_result(args.out, "kernels_ab", res, report(res), plot)
     print(report(res))
@@ -102,6 +137,8 @@ def main() -> int:
 def report(res: dict) -> str:
     mt = res["meta"]
     arms = "the current kernels in both arms (A/A control)" if mt["aa"] else f"the kernels at {mt['before']} vs now"
+    if mt.get("python") and not mt["aa"]:
+        arms += f" (arm A packing its codes and calling its layers as {mt['before']} did)"
     same = ", ".join(f"{k[1:]}-token step {'yes' if v else 'NO'}" for k, v in res["same_logit_bits"].items())
     lines = ab_table("Kernels before / after in real steps", mt, arms, res["ms"])
     lines += ["", f"The same logit bits in both arms: {same}."]
