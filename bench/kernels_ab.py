@@ -3,7 +3,7 @@
     .venv/bin/python bench/kernels_ab.py --before REV --out bench/results/NAME [--aa] [--rounds 150] [--quant Q]
         [--python]
 
-For kernel changes that keep the Python side's layouts (what `_pack` and the stacks hand the kernels), or with
+For kernel changes that keep the Python side's layouts (what `pack_codes` and the stacks hand the kernels), or with
 --python for those that change them: the sources under src/dflashkit/kernels/ at REV are compiled here as a second
 module (its own name; the class `Stack` renamed so both modules' types can live in one interpreter), and the default
 engine (the default target, the bundled
@@ -13,9 +13,9 @@ back to back, the order alternating round by round: one-row target steps of 1-16
 prompt (forward + LM head over every new token, as a verify computes it) and drafting steps at blocks 2, 4 and 16.
 Also each arm's 4-token verify over its one-token step (issue 34's ratio) and whether the two arms' logits have the
 same bits. --aa loads the current module in both arms (the A/A control: two engines, one module). --python: arm
-"before" also packs its codes with REV's `kernels._pack` and calls its layers with REV's `RowLinear.__call__` (REV's
-kernels/__init__.py loaded as a package of its own; the two swapped in while that arm is built and runs): for a change
-of the packed layout. Writes kernels_ab.json, .md and .png into --out.
+"before" also packs its codes with REV's packing function and calls its layers with REV's `RowLinear.__call__` (REV's
+kernels package, its Python files, loaded as a package of its own; the two swapped in while that arm is built and
+runs): for a change of the packed layout. Writes kernels_ab.json, .md and .png into --out.
 """
 
 from __future__ import annotations
@@ -38,17 +38,25 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNELS = "src/dflashkit/kernels"
 
 
+def rev_files(rev: str) -> list[str]:
+    """The names under src/dflashkit/kernels/ at `rev`."""
+    return subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:{KERNELS}"], check=True,
+                          capture_output=True, text=True).stdout.split()
+
+
+def rev_text(rev: str, name: str) -> str:
+    """src/dflashkit/kernels/NAME at `rev`."""
+    return subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{KERNELS}/{name}"], check=True,
+                          capture_output=True, text=True).stdout
+
+
 def build_before(rev: str, where: Path):
     """Every kernel source at `rev`, compiled as the module "dflashkit_kernels_before"."""
     from torch.utils.cpp_extension import load
 
-    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:{KERNELS}"], check=True,
-                           capture_output=True, text=True).stdout.split()
-    for name in names:
+    for name in rev_files(rev):
         if name.endswith((".cpp", ".h")):
-            text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{KERNELS}/{name}"], check=True,
-                                  capture_output=True, text=True).stdout
-            (where / name).write_text(text)
+            (where / name).write_text(rev_text(rev, name))
     (where / "build").mkdir()
     # -DStack=...: pybind11 keys its types by the C++ type; both modules' `Stack` would otherwise collide
     return load(name="dflashkit_kernels_before", sources=sorted(str(p) for p in where.glob("*.cpp")),
@@ -57,31 +65,31 @@ def build_before(rev: str, where: Path):
 
 
 def python_before(rev: str, where: Path, mod) -> dict:
-    """REV's `_pack` and `RowLinear.__call__` (kernels/__init__.py and hugepages.py at REV, loaded as the package
-    "dflashkit.kernels_before", whose `load()` returns `mod`)."""
+    """REV's packing function (`packing.pack_codes`; `_pack` in kernels/__init__.py before it moved) and
+    `RowLinear.__call__` (the kernels package's Python files at REV, loaded as the package "dflashkit.kernels_before",
+    whose `load()` returns `mod`)."""
     import importlib.util
 
     pkg = where / "kernels_before"
     pkg.mkdir()
-    for name in ("__init__.py", "hugepages.py"):
-        (pkg / name).write_text(subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{KERNELS}/{name}"], check=True,
-                                               capture_output=True, text=True).stdout)
+    for name in (n for n in rev_files(rev) if n.endswith(".py")):
+        (pkg / name).write_text(rev_text(rev, name))
     spec = importlib.util.spec_from_file_location("dflashkit.kernels_before", pkg / "__init__.py",
                                                   submodule_search_locations=[str(pkg)])
     old = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = old
     spec.loader.exec_module(old)
     old._state["mod"] = mod
-    return {"_pack": old._pack, "__call__": old.RowLinear.__call__}
+    return {"pack_codes": getattr(old, "pack_codes", None) or old._pack, "__call__": old.RowLinear.__call__}
 
 
-NOW_PYTHON = {"_pack": kernels._pack, "__call__": kernels.RowLinear.__call__}
+NOW_PYTHON = {"pack_codes": kernels.pack_codes, "__call__": kernels.RowLinear.__call__}
 
 
 def use(mod, python: dict) -> None:
     """Arm switch: `kernels.load()` returns `mod`; the codes pack and the layers run with `python`'s functions."""
     kernels._state["mod"] = mod
-    kernels._pack, kernels.RowLinear.__call__ = python["_pack"], python["__call__"]
+    kernels.pack_codes, kernels.RowLinear.__call__ = python["pack_codes"], python["__call__"]
 
 
 def arm(mod, python: dict, ctx: int, quant: str | None) -> tuple[dict, object]:

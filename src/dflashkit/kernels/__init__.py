@@ -26,6 +26,7 @@ import torch
 
 from ..measurements import cache_dir
 from . import hugepages
+from .packing import pack_codes
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +331,7 @@ class RowLinear:
         rows and block (stated in plinear.cpp), and two empty tensors. Rows past N are zeros. Computed once, then
         kept."""
         if self._packed is None:  # on huge pages: the kernels stream these every step (hugepages.py)
-            self._packed = tuple(hugepages.place(t) for t in _pack(self))
+            self._packed = tuple(hugepages.place(t) for t in pack_codes(self))
         return self._packed
 
     def dequantize(self) -> torch.Tensor:
@@ -361,60 +362,6 @@ class RowLinear:
         if path == "plinear" and x.dtype == torch.bfloat16:  # fp32 rows: rowlinear's fp32 products (exact codes too)
             return mod.plinear(x, self.packed()[0], KINDS[self.kind], self.n_out, not out_fp32)
         return mod.rowlinear(x, self.codes, self.scale, self.minimum, KINDS[self.kind], self.n_out, not out_fp32)
-
-
-def _pack(w: RowLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`RowLinear.packed` for a q4_1 / q8_0 layer: qlinear's layout (8-bit activations), or plinear's records (exact
-    codes; `_records`)."""
-    n, k = w.shape
-    nb, groups = k // 32, -(-n // 16)
-    if w.exact_codes:  # plinear: bands of two groups (an odd count gets a group of zero rows)
-        groups += groups % 2
-    pad = groups * 16 - n
-
-    def rows(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [groups * 16, ...], zeros past N
-        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
-
-    def per_row(t: torch.Tensor) -> torch.Tensor:  # [N, blocks] -> [groups, blocks, 16]
-        return rows(t.view(n, nb)).view(groups, 16, nb).permute(0, 2, 1).contiguous()
-
-    if w.kind == "q4_1":
-        b = w.codes.view(n, nb, 16)
-        q = rows(torch.cat([b & 0x0F, b >> 4], dim=-1))  # [rows, blocks, 32] in element order
-        # element 8 p + 4 h + e of row r -> chunk p, byte 4 r + e, nibble h (low h = 0)
-        q = q.view(groups, 16, nb, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # [g, b, p, h, r, e]
-        codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).contiguous().view(-1)
-        if w.exact_codes:
-            return _records(w, codes, [per_row(w.scale), per_row(w.minimum)], groups, nb)
-        return codes, per_row(w.scale), per_row(w.minimum)
-    if w.kind == "q8_0":
-        q = rows(w.codes.view(n, nb, 32))  # int8
-        if w.exact_codes:  # plinear.cpp: pair i of a block, byte 2 r + h = q[r][2 i + h]; no correction term there
-            codes = q.view(groups, 16, nb, 16, 2).permute(0, 2, 3, 1, 4).contiguous().view(-1).view(torch.uint8)
-            return _records(w, codes, [per_row(w.scale)], groups, nb)
-        codes = q.view(groups, 16, nb, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(-1).view(torch.uint8)
-        corr = (128 * w.codes.view(n, nb, 32).to(torch.int32).sum(-1)).to(torch.int32)
-        return codes, per_row(w.scale), per_row(corr)
-    raise ValueError(f"8-bit activations need q4_1 / q8_0 weights, not {w.kind}")
-
-
-def _records(w: RowLinear, codes: torch.Tensor, scales: list[torch.Tensor], groups: int,
-             nb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """plinear's layout (plinear.cpp): per band of two groups and block one record, the two groups' codes, then each
-    scale tensor's (d, then Q4_1's m) two groups' 16 values in fp16. codes: [groups, blocks, bytes] flat; scales: fp32
-    [groups, blocks, 16]. The fp16 values are the GGUF's own (its blocks store d and m in fp16), so widening them
-    back in the kernel gives the same fp32; a layer whose scales are not fp16 values cannot run there (checked, not
-    rounded: rounding would change its bits)."""
-    for t in scales:
-        if not torch.equal(t.half().float(), t):
-            raise ValueError("exact codes (plinear) need scales that are fp16 values, as GGUF Q4_1 / Q8_0 blocks store "
-                             "them; this layer's are not: read it with 8-bit activations (with_int8_acts) or as bf16")
-    bands = groups // 2
-    parts = [codes.view(bands, 2, nb, -1).transpose(1, 2)]  # [bands, blocks, 2 groups, code bytes]
-    parts += [t.half().view(bands, 2, nb, 16).transpose(1, 2).contiguous().view(torch.uint8) for t in scales]
-    records = torch.cat([p.reshape(bands, nb, -1) for p in parts], dim=-1).contiguous().view(-1)
-    empty = torch.empty(0, dtype=torch.float32)
-    return records, empty, empty
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, head: torch.Tensor, tail: torch.Tensor,

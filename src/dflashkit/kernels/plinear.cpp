@@ -24,17 +24,17 @@
 // the 2^-9 per weight that rounding a weight to bf16 costs). S is a float sum, so its order is fixed (below); every
 // width runs that one chain per lane.
 //
-// The packed layout (kernels/__init__.py `_pack` with exact codes): the rows in BANDS of 32 (two groups of 16 rows;
-// rows past N zeros), and per (band, block) one record, the records of a band's blocks one after another, the bands
-// one after another: the codes of the band's first group, of its second, then the scales d of the first and the
-// second group (16 fp16 each, row order), then (Q4_1) the mins m likewise. Q4_1: 2 x 256 + 2 x 32 + 2 x 32 = 640
-// bytes; Q8_0: 2 x 512 + 2 x 32 = 1088. Why one record: a tile (one band) then reads a single forward stream, which
-// the hardware prefetcher follows at the machine's streaming rate; codes, scales and mins in separate arrays per
-// group were 6 streams per band, each a few KB long, and at one token that streamed at ~half the rate (a throwaway
-// GEMV on an AMD EPYC, 60 MB of Q4_1 codes at K = 576, 2 threads: 13-16 GB/s vs 28-32 in records, a 512 MB sum 31).
-// Why fp16 scales: they are the GGUF's own values (fp16 in every Q4_1 / Q8_0 block), widened exactly to fp32 here;
-// fp32 copies cost a sixth of a Q4_1 record's bytes.
-// A group's codes within its record (`_pack`), Q4_1: 4 chunks of 64 bytes; chunk p, byte 4 r + e: low nibble
+// The packed layout (kernels/packing.py, `pack_codes` with exact codes): the rows in BANDS of 32 (two groups of 16
+// rows; rows past N zeros), and per (band, block) one record, the records of a band's blocks one after another, the
+// bands one after another: the codes of the band's first group, of its second, then the scales d of the first and the
+// second group (16 fp16 each, row order), then (Q4_1) the mins m likewise. Q4_1: 2 x 256 + 2 x 32 + 2 x 32 = 640 bytes;
+// Q8_0: 2 x 512 + 2 x 32 = 1088. Why one record: a tile (one band) then reads a single forward stream, which the
+// hardware prefetcher follows at the machine's streaming rate; codes, scales and mins in separate arrays per group were
+// 6 streams per band, each a few KB long, and at one token that streamed at ~half the rate (a throwaway GEMV on an AMD
+// EPYC, 60 MB of Q4_1 codes at K = 576, 2 threads: 13-16 GB/s vs 28-32 in records, a 512 MB sum 31). Why fp16 scales:
+// they are the GGUF's own values (fp16 in every Q4_1 / Q8_0 block), widened exactly to fp32 here; fp32 copies cost a
+// sixth of a Q4_1 record's bytes.
+// A group's codes within its record (`pack_codes`), Q4_1: 4 chunks of 64 bytes; chunk p, byte 4 r + e: low nibble
 // q[r][8 p + e], high nibble q[r][8 p + 4 + e]. Read as 16-bit words, row r owns words 2 r, 2 r + 1 (bytes
 // 4 r .. 4 r + 3); nibble position s (bits 4 s .. 4 s + 3 of each word) holds the pair
 //   s = 0: (8 p, 8 p + 2)   s = 1: (8 p + 4, 8 p + 6)   s = 2: (8 p + 1, 8 p + 3)   s = 3: (8 p + 5, 8 p + 7)
@@ -98,7 +98,7 @@ DFK_PBF16 inline __m512 fp16x16(const uint8_t* p) {
 // One packed Q8_0 pair (32 bytes: row r's two codes at bytes 2 r, 2 r + 1) as bf16 operands, lane r = row r: the
 // codes sign-extended to int32 and converted to fp32 (exact), rows 0-7 and 8-15 narrowed to bf16 in one
 // `cvtne2ps2bf16` (exact: integers within 2^8). That instruction puts its second operand's 16 values in words
-// 0-15 and its first's in 16-31, so words 2 r, 2 r + 1 (lane r) are row r's codes: the order `_pack` stores.
+// 0-15 and its first's in 16-31, so words 2 r, 2 r + 1 (lane r) are row r's codes: the order `pack_codes` stores.
 DFK_PBF16 inline __m512bh q8_pair(const uint8_t* p) {
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
