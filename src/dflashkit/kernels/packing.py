@@ -4,17 +4,12 @@ the bits a layer computes do not depend on it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from . import RowLinear
 
-
-def pack_codes(w: RowLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`RowLinear.packed` for a q4_1 / q8_0 layer: qlinear's layout (8-bit activations), or plinear's records (exact
-    codes; `_records`)."""
+def pack_codes(w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`RowLinear.packed` for `w`, a q4_1 / q8_0 `RowLinear` (kernels/__init__.py, which imports this module: not
+    imported here): qlinear's layout (8-bit activations), or plinear's records (exact codes; `_records`)."""
     n, k = w.shape
     nb, groups = k // 32, -(-n // 16)
     if w.exact_codes:  # plinear: bands of two groups (an odd count gets a group of zero rows)
@@ -34,20 +29,20 @@ def pack_codes(w: RowLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = q.view(groups, 16, nb, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # [g, b, p, h, r, e]
         codes = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).contiguous().view(-1)
         if w.exact_codes:
-            return _records(w, codes, [per_row(w.scale), per_row(w.minimum)], groups, nb)
+            return _records(codes, [per_row(w.scale), per_row(w.minimum)], groups, nb)
         return codes, per_row(w.scale), per_row(w.minimum)
     if w.kind == "q8_0":
         q = rows(w.codes.view(n, nb, 32))  # int8
         if w.exact_codes:  # plinear.cpp: pair i of a block, byte 2 r + h = q[r][2 i + h]; no correction term there
             codes = q.view(groups, 16, nb, 16, 2).permute(0, 2, 3, 1, 4).contiguous().view(-1).view(torch.uint8)
-            return _records(w, codes, [per_row(w.scale)], groups, nb)
+            return _records(codes, [per_row(w.scale)], groups, nb)
         codes = q.view(groups, 16, nb, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(-1).view(torch.uint8)
         corr = (128 * w.codes.view(n, nb, 32).to(torch.int32).sum(-1)).to(torch.int32)
         return codes, per_row(w.scale), per_row(corr)
     raise ValueError(f"8-bit activations need q4_1 / q8_0 weights, not {w.kind}")
 
 
-def _records(w: RowLinear, codes: torch.Tensor, scales: list[torch.Tensor], groups: int,
+def _records(codes: torch.Tensor, scales: list[torch.Tensor], groups: int,
              nb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """plinear's layout (plinear.cpp): per band of two groups and block one record, the two groups' codes, then each
     scale tensor's (d, then Q4_1's m) two groups' 16 values in fp16. codes: [groups, blocks, bytes] flat; scales: fp32
