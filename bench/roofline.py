@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from dflashkit.measurements import cpu_name
+from dflashkit.measurements import cpu_has_bf16_units, cpu_name
 
 from draft_block import median_ms  # noqa: E402  (bench/ is not a package)
 
@@ -38,8 +38,7 @@ def machine_probes() -> dict:
     AVX2), ~30 s a call that can never be the faster."""
     a = torch.ones(128 * 1024 * 1024)
     probes = {"m_stream": a.sum}
-    bf16_unit = any(f in cpu_name() for f in ("avx512_bf16", "amx_bf16"))
-    for dt in (torch.float32, torch.bfloat16) if bf16_unit else (torch.float32,):
+    for dt in (torch.float32, torch.bfloat16) if cpu_has_bf16_units() else (torch.float32,):
         x, w = torch.randn(1024, 2048).to(dt), torch.randn(2048, 2048).to(dt)
         probes["m_" + str(dt).split(".")[1]] = lambda x=x, w=w: x @ w
     return probes

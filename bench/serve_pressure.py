@@ -38,6 +38,7 @@ from serve_load import free_port, server_process
 
 from dflashkit.bench import turn_order
 from dflashkit.bench.datasets import HUMANEVAL_WRAPPER, load_dataset
+from dflashkit.measurements import cpu_flags
 
 CLIENTS, MAX_TOKENS, LONG_TOKENS = 8, 48, 1400
 
@@ -182,7 +183,7 @@ def main() -> int:
 
 
 def cpu_name() -> str:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = cpu_flags()
     isa = "AVX512-BF16" if "avx512_bf16" in flags else "AVX2" if "avx2" in flags else "?"
     return f"{os.cpu_count()} vCPUs, {isa}"
 

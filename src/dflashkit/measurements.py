@@ -25,12 +25,8 @@ def cache_dir() -> Path:
 
 def machine_key(*parts) -> str:
     """A short digest of `parts` plus the CPU (model and flags), torch build and thread count."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
+    # the raw flags line, its newline kept: the key of every cost file written so far
+    flags = next((ln for ln in _cpuinfo().splitlines(keepends=True) if ln.startswith("flags")), "")
     cpu = platform.processor() or platform.machine()
     raw = "|".join(map(str, parts)) + f"|{torch.__version__}|{torch.get_num_threads()}|{cpu}|{flags}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
@@ -46,6 +42,13 @@ def _cpuinfo() -> str:
 def cpu_flags() -> list[str]:
     """The CPU's feature flags as /proc/cpuinfo lists them ("avx2", "avx512_bf16", ...); [] where it cannot be read."""
     return next((ln.split(":", 1)[1].split() for ln in _cpuinfo().splitlines() if ln.startswith("flags")), [])
+
+
+def cpu_has_bf16_units() -> bool:
+    """AVX512-BF16 or AMX-BF16 in the CPU's flags (False where they cannot be read): where torch's bf16 matmuls run
+    on hardware."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def cpu_name() -> str:

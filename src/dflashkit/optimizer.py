@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import DFlashError
-from .measurements import cpu_flags
+from .measurements import cpu_has_bf16_units
 
 OPTIMIZERS = ("adamw", "muon")
 
@@ -37,12 +37,6 @@ def param_groups(drafter, selector_lr_scale: float) -> list[dict]:
 def muon_eligible(name: str, p: torch.Tensor) -> bool:
     """A matrix Muon can orthogonalise: 2-D, both sides > 1, not a token-indexed codebook."""
     return p.ndim == 2 and min(p.shape) > 1 and "codebook" not in name
-
-
-def cpu_has_bf16_units() -> bool:
-    """AVX512-BF16 or AMX-BF16 in the CPU's flags (False where they cannot be read)."""
-    flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def newton_schulz_fp32(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,

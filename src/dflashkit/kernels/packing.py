@@ -49,13 +49,13 @@ def _records(codes: torch.Tensor, scales: list[torch.Tensor], groups: int,
     [groups, blocks, 16]. The fp16 values are the GGUF's own (its blocks store d and m in fp16), so widening them
     back in the kernel gives the same fp32; a layer whose scales are not fp16 values cannot run there (checked, not
     rounded: rounding would change its bits)."""
-    for t in scales:
-        if not torch.equal(t.half().float(), t):
-            raise ValueError("exact codes (plinear) need scales that are fp16 values, as GGUF Q4_1 / Q8_0 blocks store "
-                             "them; this layer's are not: read it with 8-bit activations (with_int8_acts) or as bf16")
+    halves = [t.half() for t in scales]
+    if not all(torch.equal(h.float(), t) for h, t in zip(halves, scales)):
+        raise ValueError("exact codes (plinear) need scales that are fp16 values, as GGUF Q4_1 / Q8_0 blocks store "
+                         "them; this layer's are not: read it with 8-bit activations (with_int8_acts) or as bf16")
     bands = groups // 2
     parts = [codes.view(bands, 2, nb, -1).transpose(1, 2)]  # [bands, blocks, 2 groups, code bytes]
-    parts += [t.half().view(bands, 2, nb, 16).transpose(1, 2).contiguous().view(torch.uint8) for t in scales]
+    parts += [h.view(bands, 2, nb, 16).transpose(1, 2).contiguous().view(torch.uint8) for h in halves]
     records = torch.cat([p.reshape(bands, nb, -1) for p in parts], dim=-1).contiguous().view(-1)
     empty = torch.empty(0, dtype=torch.float32)
     return records, empty, empty

@@ -67,8 +67,10 @@ constexpr int PAIR[4][2] = {{0, 2}, {4, 6}, {1, 3}, {5, 7}};
 
 #define DFK_PBF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
-// One record's bytes: two groups' codes, their fp16 scales and (Q4_1) mins.
-constexpr int64_t record_bytes(int kind) { return kind == 1 ? 640 : 1088; }
+// One group's codes in a block (16 rows x 32 elements): Q4_1 nibbles, Q8_0 bytes.
+constexpr int64_t code_bytes(int kind) { return kind == 1 ? 256 : 512; }
+// One record's bytes: the band's groups' codes, then their fp16 scales d and (Q4_1) mins m, 16 x 2 bytes a group.
+constexpr int64_t record_bytes(int kind) { return BAND * (code_bytes(kind) + 32 * (kind == 1 ? 2 : 1)); }
 
 struct Codes {
   const uint8_t* records;  // [bands, blocks, record_bytes]
@@ -124,7 +126,7 @@ constexpr int64_t AHEAD = KIND == 1 ? 6 : 4;  // records
 template <int KIND, int MR>
 DFK_PBF16 void pbf16_tile(const Codes& W, int64_t j, const Acts& X, int64_t t0, float* y, int64_t N) {
   constexpr int R = BAND;
-  constexpr int64_t rec = record_bytes(KIND), code_bytes = KIND == 1 ? 256 : 512, lines = rec / 64;
+  constexpr int64_t rec = record_bytes(KIND), codes = code_bytes(KIND), lines = rec / 64;
   constexpr int chunks = KIND == 1 ? 4 : 8;  // 64-byte chunks of a group's codes
   __m512 acc[MR][R];
   for (int t = 0; t < MR; ++t)
@@ -140,10 +142,10 @@ DFK_PBF16 void pbf16_tile(const Codes& W, int64_t j, const Acts& X, int64_t t0, 
           _mm_prefetch(reinterpret_cast<const char*>(c + AHEAD<KIND> * rec + 64 * l), _MM_HINT_T0);
       __m512i v[R];
       if (KIND == 1)
-        for (int r = 0; r < R; ++r) v[r] = _mm512_loadu_si512(c + r * code_bytes + 64 * p);
+        for (int r = 0; r < R; ++r) v[r] = _mm512_loadu_si512(c + r * codes + 64 * p);
       for (int s = 0; s < (KIND == 1 ? 4 : 2); ++s) {  // Q4_1: nibble positions; Q8_0: the chunk's two pairs
         __m512bh w[R];
-        for (int r = 0; r < R; ++r) w[r] = KIND == 1 ? nibbles(v[r], s) : q8_pair(c + r * code_bytes + 64 * p + 32 * s);
+        for (int r = 0; r < R; ++r) w[r] = KIND == 1 ? nibbles(v[r], s) : q8_pair(c + r * codes + 64 * p + 32 * s);
         for (int t = 0; t < MR; ++t) {
           const int64_t i = ((t0 + t) * X.nb + b) * 16 + (KIND == 1 ? 4 * p + s : 2 * p + s);  // pair i
           const __m512bh xv = (__m512bh)_mm512_set1_epi32(X.pairs[i]);
@@ -151,7 +153,7 @@ DFK_PBF16 void pbf16_tile(const Codes& W, int64_t j, const Acts& X, int64_t t0, 
         }
       }
     }
-    const uint8_t* scales = c + R * code_bytes;  // d of each group (fp16 x 16), then Q4_1's m likewise
+    const uint8_t* scales = c + R * codes;  // d of each group (fp16 x 16), then Q4_1's m likewise
     for (int r = 0; r < R; ++r) {
       const __m512 d = fp16x16(scales + 32 * r);
       __m512 m = _mm512_setzero_ps();
