@@ -139,7 +139,7 @@ def main() -> int:
     # ---- phase 2: calibrate the step time, then train to fit the remaining budget
     base = dict(data_dir=str(data_dir), num_layers=args.layers, target_layer_ids=[1, 7, 14, 20, 27], block_size=16,
                 num_anchors=args.num_anchors, gamma=7.0, max_len=args.max_len, batch_size=args.batch_size,
-                lr=args.lr, warmup_ratio=0.04, init_from=args.init_from, grad_clip=1.0, bf16=True, device=device, seed=0, log_every=25,
+                lr=args.lr, warmup_ratio=0.04, init_from=args.init_from, grad_clip=1.0, device=device, seed=0, log_every=25,
                 arch=args.arch, selector_rank=args.selector_rank, selector_lr_scale=args.selector_lr_scale)
     train_start = time.time()
     if args.steps:

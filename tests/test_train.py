@@ -185,3 +185,38 @@ def test_muon_and_dpace_train_and_resume_exactly(tmp_path):
         train(TrainConfig.from_file(recipe(tmp_path, target, data, "bad", optimizer="sgd")))
     with pytest.raises(DFlashError, match="position_weight must be one of exp, dpace"):
         train(TrainConfig.from_file(recipe(tmp_path, target, data, "bad2", position_weight="linear")))
+
+
+def test_bf16_autocast_where_the_hardware_has_it_and_float32_training_on_a_bf16_target():
+    """bf16 None resolves to autocast on CUDA and on CPUs with bf16 units, float32 elsewhere (torch's bf16 backward on
+    an AVX2-only CPU is ~35x slower); a recipe's explicit value stands. Float32 training on a bf16 target runs (its
+    embedding rows and head are cast for the products) and gives autocast's loss up to bf16's rounding."""
+    from contextlib import nullcontext
+
+    from conftest import make_drafter
+    from dflashkit.measurements import cpu_has_bf16_units
+    from dflashkit.train import train_step_loss
+    from dflashkit.train_precision import resolve_bf16
+
+    cfg = TrainConfig(out_dir="-", data_dir="-", block_size=8, num_anchors=4)
+    assert cfg.bf16 is None
+    assert resolve_bf16(cfg, torch.device("cpu")).bf16 is cpu_has_bf16_units()
+    assert resolve_bf16(cfg, torch.device("cuda")).bf16 is True
+    for forced in (True, False):
+        assert resolve_bf16(TrainConfig(out_dir="-", data_dir="-", bf16=forced), torch.device("cpu")).bf16 is forced
+    t = make_target("llama", dtype=torch.bfloat16, backend="lean")
+    dr = make_drafter(t, block_size=8).float()
+    t.set_taps(dr.config.target_layer_ids)
+    ids = torch.randint(4, 90, (2, 40), generator=torch.Generator().manual_seed(0))
+    lm = torch.zeros_like(ids, dtype=torch.bool)
+    lm[:, 12:] = True
+    got = {}
+    for bf16 in (False, True):
+        c = TrainConfig(out_dir="-", data_dir="-", block_size=8, num_anchors=4, bf16=bf16)
+        ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else nullcontext
+        dr.zero_grad(set_to_none=True)
+        loss, _ = train_step_loss(dr, t, ids, lm, c, torch.Generator().manual_seed(1), ctx)
+        loss.backward()
+        assert all(p.grad is None or torch.isfinite(p.grad).all() for p in dr.parameters())
+        got[bf16] = float(loss.detach())
+    assert got[False] == pytest.approx(got[True], rel=0.03)

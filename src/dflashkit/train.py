@@ -1,8 +1,8 @@
 """Drafter training: one recipe file holds every hyper-parameter; `dflashkit train --config FILE` runs it.
 
 - online target features (the frozen target runs inside the step, bf16);
-- Muon + AdamW (or AdamW alone: `optimizer.py`), linear warmup + cosine decay, gradient clipping, bf16 autocast,
-  gradient accumulation;
+- Muon + AdamW (or AdamW alone: `optimizer.py`), linear warmup + cosine decay, gradient clipping, bf16 autocast
+  where the device has bf16 units (float32 elsewhere), gradient accumulation;
 - per-position accuracy and simulated tau on the held-out split; JSONL log (+ TensorBoard if installed);
 - atomic checkpoints every `save_every` steps and exact resume: the batch and anchors of step k are a pure
   function of (seed, k, rank), so a resumed run replays exactly what the uninterrupted one would have done;
@@ -32,6 +32,7 @@ from .errors import DFlashError
 from .objective import (build_blocks, decode_path_tau, dflash_loss, sample_anchors, selector_loss, simulated_tau,
                         teacher_rows, training_forward)
 from .optimizer import build_optimizer
+from .train_precision import frozen_parts, resolve_bf16
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,10 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
-    bf16: bool = True
+    # bf16 autocast. None: where the device runs bf16 matmuls in hardware (CUDA; CPUs with AVX512-BF16 or AMX),
+    # float32 elsewhere: on an AVX2-only CPU torch's bf16 matmul backward is ~35x slower than float32's
+    # (bench/results/train-cpu-fp32/). `train` writes the value it resolved into recipe.json.
+    bf16: bool | None = None
     target_dtype: str = "bfloat16"
     device: str = "auto"
     seed: int = 0
@@ -174,6 +178,7 @@ def features_and_blocks(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: 
 def train_step_loss(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: torch.Generator, autocast, vocab=None):
     """vocab: None, or (d2t_head [Vd, H], t2d [V]) for a reduced draft vocabulary."""
     selector = unwrap(drafter).candidate_selector
+    parts = frozen_parts(target, cfg, vocab, next(unwrap(drafter).parameters()).dtype)
     if cfg.train_only == "selector":
         # Why a separate path: no gradient reaches the target or the drafter's layers, so their forward runs without
         # a graph, and one logits pass gives both the selector's loss and the per-slot stats (the frozen unary loss
@@ -181,20 +186,20 @@ def train_step_loss(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: torc
         with torch.no_grad():
             taps, blocks, _ = features_and_blocks(drafter, target, ids, loss_mask, cfg, gen)
             with autocast():
-                hidden = training_forward(drafter, target.embed, taps, blocks)
+                hidden = training_forward(drafter, parts.embed, taps, blocks)
         with autocast():
-            loss, stats = selector_loss(hidden, blocks, target.lm_head_weight, selector, softcap=target.softcap,
+            loss, stats = selector_loss(hidden, blocks, parts.head, selector, softcap=target.softcap,
                                         unary_stats=True)
         return loss, {**stats, "selector_loss": loss.detach()}
     taps, blocks, teacher = features_and_blocks(drafter, target, ids, loss_mask, cfg, gen)
-    head, t2d = vocab if vocab is not None else (None, None)
+    head, t2d = parts.vocab if parts.vocab is not None else (None, None)
     with autocast():
-        hidden = training_forward(drafter, target.embed, taps, blocks)
-        loss, stats = dflash_loss(hidden, blocks, target.lm_head_weight, cfg.block_size, softcap=target.softcap,
+        hidden = training_forward(drafter, parts.embed, taps, blocks)
+        loss, stats = dflash_loss(hidden, blocks, parts.head, cfg.block_size, softcap=target.softcap,
                                   d2t_head=head, t2d=t2d, teacher=teacher,
                                   dpace_alpha=cfg.dpace_alpha if cfg.position_weight == "dpace" else None)
         if selector is not None:  # DFlash2: unary + alpha * selector (over the full vocabulary's top-k)
-            extra, more = selector_loss(hidden, blocks, target.lm_head_weight, selector, softcap=target.softcap)
+            extra, more = selector_loss(hidden, blocks, parts.head, selector, softcap=target.softcap)
             loss, stats = loss + cfg.selector_alpha * extra, {**stats, **more, "selector_loss": extra.detach()}
         return loss, stats
 
@@ -213,6 +218,7 @@ def evaluate(drafter, target, batches: Batches, cfg: TrainConfig, autocast, devi
     correct = torch.zeros(Bq, device=device)
     count = torch.zeros(Bq, device=device)
     prefixes, tokens, passes = [], 0, 0
+    embed = frozen_parts(target, cfg, None, next(raw.parameters()).dtype).embed
     for k in range(cfg.eval_batches):
         ids, lm = batches.get(k, cfg.batch_size, rank=10_000)
         ids, lm = ids.to(device), lm.to(device)
@@ -228,7 +234,7 @@ def evaluate(drafter, target, batches: Batches, cfg: TrainConfig, autocast, devi
                 break
             blocks = build_blocks(ids, lm, a, v, Bq, raw.config.mask_token_id, cfg.gamma)
             with autocast():
-                hidden = training_forward(raw, target.embed, taps, blocks)
+                hidden = training_forward(raw, embed, taps, blocks)
             if vocab is None:
                 pred = target.logits(hidden.to(target.dtype)).argmax(-1)  # [B, n*Bq]
             else:  # drafting over the reduced vocabulary, as inference does
@@ -351,6 +357,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> DFlashDrafter:
     from tqdm import tqdm
 
     world, rank, device = _setup_distributed(cfg)
+    cfg = resolve_bf16(cfg, device)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out_dir)
     target, drafter, train_shards, vocab = _prepare(cfg, target, tokenizer, device)
