@@ -8,7 +8,8 @@ The default target (bf16, the kernels `--quant auto` picks here) and the bundled
 with --arch dflash2, as `scripts/dflash2_device_job.sh` does); the committed training data. Arms:
 - "bf16 + HF": bf16 autocast, the target's features from HF's modules (the trainer's behaviour before `bf16: None`);
 - "fp32 + HF": float32 products (autocast off), HF's features;
-- "fp32 + ours": float32 products, the features from the target's own forward (`LeanTarget.features`).
+- "fp32 + ours": float32 products, the features from the target's own forward (`LeanTarget.own_features`, what
+  `LeanTarget.features` reads on a CPU without bf16 units).
 Each arm trains its own copy of the drafter (Muon + AdamW, the default recipe); in each round every arm runs one
 step (features, forward, loss, backward, clip, optimizer), the order rotating round by round. The first round is a
 warm-up and is not counted. Writes train_step_cpu.json, .md and .png into --out.
@@ -78,8 +79,8 @@ def main() -> None:
     for r in range(args.rounds + 1):
         for name in names[r % len(names):] + names[:r % len(names)]:
             cfg, feats, drafter, opt = arms[name]
-            if feats == "hf":  # HF's modules, as the trainer read them before LeanTarget.features
-                target.features = HFTarget.features.__get__(target)
+            # each arm's feature source, whatever `LeanTarget.features` would choose on this CPU
+            target.features = (HFTarget.features.__get__(target) if feats == "hf" else target.own_features)
             dt, loss = one_step(drafter, opt, target, batches, cfg, r)
             target.__dict__.pop("features", None)
             if r:

@@ -803,15 +803,21 @@ def test_nan_drafts_give_a_full_tree_not_a_crash():
 
 
 @pytest.mark.parametrize("arch", STACKED_ARCHS)
-def test_training_features_are_the_ones_decoding_gives(arch):
-    """Where our kernels run, a lean target's training taps come from its own forward (the layer stack): a row's taps
-    have the same bits alone and beside a longer row, equal the prefill's taps that decoding hands the drafter, and
-    stay within bf16's rounding of HF's forward (the reference the target keeps loaded)."""
+def test_training_features_are_the_ones_decoding_gives(arch, monkeypatch):
+    """Where our kernels run on a CPU without bf16 units, a lean target's training taps come from its own forward (the
+    layer stack): a row's taps have the same bits alone and beside a longer row, equal the prefill's taps that
+    decoding hands the drafter, and stay within bf16's rounding of HF's forward (the reference the target keeps
+    loaded). On a CPU with bf16 units (forced here either way) they are HF's, as before."""
     from dflashkit.backends.hf import HFTarget
 
     t = _stacked(arch)
     t.set_taps([1, 3])
     ids = torch.randint(4, 90, (2, 37), generator=torch.Generator().manual_seed(4))
+    ref = HFTarget.features(t, ids)
+    monkeypatch.setattr("dflashkit.measurements.cpu_has_bf16_units", lambda: True)
+    hf = t.features(ids)
+    assert torch.equal(hf.taps, ref.taps) and torch.equal(hf.final, ref.final)
+    monkeypatch.setattr("dflashkit.measurements.cpu_has_bf16_units", lambda: False)
     both = t.features(ids)
     alone = t.features(ids[:1, :21])
     assert both.taps.shape == (2, 37, 2 * t.hidden_size) and both.final.shape == (2, 37, t.hidden_size)
@@ -819,5 +825,4 @@ def test_training_features_are_the_ones_decoding_gives(arch):
     pos = torch.arange(37).expand(2, 37)
     final, taps = t.forward(ids, pos, t.new_cache(2, 48), kv_len=37)
     assert torch.equal(taps, both.taps) and torch.equal(final, both.final)
-    ref = HFTarget.features(t, ids)
     assert (ref.taps.float() - both.taps.float()).abs().max() < 0.05 * ref.taps.float().abs().max()
