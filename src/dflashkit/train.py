@@ -32,7 +32,7 @@ from .errors import DFlashError
 from .objective import (build_blocks, decode_path_tau, dflash_loss, sample_anchors, selector_loss, simulated_tau,
                         teacher_rows, training_forward)
 from .optimizer import build_optimizer
-from .train_precision import frozen_parts, resolve_bf16
+from .train_precision import FrozenParts, frozen_parts, resolve_bf16
 
 log = logging.getLogger(__name__)
 
@@ -175,10 +175,13 @@ def features_and_blocks(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: 
     return taps, blocks, teacher
 
 
-def train_step_loss(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: torch.Generator, autocast, vocab=None):
-    """vocab: None, or (d2t_head [Vd, H], t2d [V]) for a reduced draft vocabulary."""
+def train_step_loss(drafter, target, ids, loss_mask, cfg: TrainConfig, gen: torch.Generator, autocast, vocab=None,
+                    parts: FrozenParts | None = None):
+    """vocab: None, or (d2t_head [Vd, H], t2d [V]) for a reduced draft vocabulary. parts: the frozen target's parts
+    in the step's dtype (`frozen_parts` of the same vocab), made once per run by `train`; None makes them here."""
     selector = unwrap(drafter).candidate_selector
-    parts = frozen_parts(target, cfg, vocab, next(unwrap(drafter).parameters()).dtype)
+    if parts is None:
+        parts = frozen_parts(target, cfg, vocab, next(unwrap(drafter).parameters()).dtype)
     if cfg.train_only == "selector":
         # Why a separate path: no gradient reaches the target or the drafter's layers, so their forward runs without
         # a graph, and one logits pass gives both the selector's loss and the per-slot stats (the frozen unary loss
@@ -368,6 +371,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> DFlashDrafter:
         model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda"
                                                           else None)
     train_batches = Batches(train_shards, cfg.max_len, cfg.seed)
+    parts = frozen_parts(target, cfg, vocab, next(drafter.parameters()).dtype)  # a float32 run's head cast once
     try:
         eval_batches = Batches(load_shards(Path(cfg.data_dir), "heldout"), cfg.max_len, cfg.seed)
     except DFlashError:
@@ -388,7 +392,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None) -> DFlashDrafter:
         for micro in range(cfg.grad_accum):
             ids, lm = train_batches.get(step * cfg.grad_accum + micro, cfg.batch_size, rank)
             gen = torch.Generator(device=device).manual_seed(hash((cfg.seed, step, micro, rank)) % (2**62))
-            loss, st = train_step_loss(model, target, ids.to(device), lm.to(device), cfg, gen, autocast, vocab)
+            loss, st = train_step_loss(model, target, ids.to(device), lm.to(device), cfg, gen, autocast, vocab, parts)
             (loss / cfg.grad_accum).backward()
             tot_loss += loss.detach().item() / cfg.grad_accum
             correct, count = correct + st["correct"], count + st["count"]

@@ -152,6 +152,11 @@ class HFTarget:
         self.tap_ids = list(tap_ids)
         self._hooks = [self.layers[i].register_forward_hook(self._make_hook(i)) for i in set(tap_ids)]
 
+    def require_taps(self) -> None:
+        """Raise unless `set_taps` has chosen the layers a features pass taps."""
+        if not self.tap_ids:
+            raise DFlashError("no tapped layers are set; call set_taps(drafter.config.target_layer_ids) first.")
+
     def _make_hook(self, i: int):
         def hook(module, args, out):
             if self._capture:
@@ -168,8 +173,7 @@ class HFTarget:
     @torch.no_grad()
     def features(self, ids: torch.Tensor) -> "SequenceFeatures":
         """ids: [B, S] -> the taps and the final normed hidden states of one plain causal forward."""
-        if not self.tap_ids:
-            raise DFlashError("no tapped layers are set; call set_taps(drafter.config.target_layer_ids) first.")
+        self.require_taps()
         self._capture, self._taps = True, {}
         try:
             out = self.decoder(input_ids=ids, use_cache=False)

@@ -310,20 +310,18 @@ class LeanTarget(HFTarget):
     @torch.no_grad()
     def features(self, ids: torch.Tensor) -> SequenceFeatures:
         """ids: [B, S] (right-padded is fine: attention is causal) -> the training taps and final normed states.
-        Where our kernels run on a CPU without bf16 units, through our own forward: the features decoding hands the
+        Where our linears run on a CPU without bf16 units, through our own forward: the features decoding hands the
         drafter, and faster there than HF's bf16 modules (training steps 1.7-2.9x shorter,
         bench/results/train-cpu-fp32/). Else HF's forward. Why not on CPUs with bf16 units: there HF's modules run
         oneDNN's bf16 GEMM, and ours have not been measured against it at training's widths."""
-        ours = self.kernel != "torch" or self.fused_attention or self.stack is not None
-        if not ours or measurements.cpu_has_bf16_units():
+        if self.kernel == "torch" or measurements.cpu_has_bf16_units():  # our linears are what make it faster
             return super().features(ids)
         return self.own_features(ids)
 
     @torch.no_grad()
     def own_features(self, ids: torch.Tensor) -> SequenceFeatures:
         """`features` through our own forward (one fresh cache, positions 0..S-1), wherever it runs."""
-        if not self.tap_ids:
-            raise DFlashError("no tapped layers are set; call set_taps(drafter.config.target_layer_ids) first.")
+        self.require_taps()
         B, S = ids.shape
         positions = torch.arange(S, device=ids.device).expand(B, S)
         final, taps = self.forward(ids, positions, self.new_cache(B, S), kv_len=S)
